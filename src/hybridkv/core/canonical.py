@@ -1,0 +1,143 @@
+"""Canonical byte views of an engine's KV cache tensors, and block copies through them.
+
+Whatever shape and dtype a layer's cache has (attention `[blocks, heads, tokens, dim]` in
+bf16, a recurrent state packed as int8), the bytes of one block are a fixed-size page at a
+fixed stride. We view every unique backing region as int8 `(num_blocks, page_bytes)` and
+copy whole pages with batched `index_select` / `index_copy_`: no per-block Python loops,
+and the same code for every layer kind.
+
+Engines alias memory: in vLLM every group's layer i overlays the same bytes (a block id
+belongs to one group at a time). Views are deduplicated by (address, block stride) so an
+aliased region is one tensor with several group references.
+
+A stored entry of a group holds its blocks layer-major: for each of the group's layers in
+order, `n_blocks * page_bytes` bytes. Each layer's part is then one contiguous
+`(n_blocks, page)` tensor, which `index_select(..., out=)` fills in a single call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerRef:
+    """One layer of a group: which canonical tensor, and how many bytes of each page."""
+
+    layer_name: str
+    tensor_idx: int
+    page_bytes: int
+
+
+@dataclass
+class CanonicalKV:
+    tensors: list[torch.Tensor]  # int8 (num_blocks, padded page) views
+    groups: list[list[LayerRef]]
+
+    def block_bytes(self, g: int) -> int:
+        return sum(r.page_bytes for r in self.groups[g])
+
+
+def canonical_view(t: torch.Tensor, num_blocks: int, page_bytes: int) -> torch.Tensor:
+    """int8 `(num_blocks, page_bytes)` view of a layer cache whose dim 0 indexes blocks.
+
+    A kernel may split each block into k smaller ones (dim 0 = k * num_blocks); the k
+    pieces of a block are then adjacent and form one page.
+    """
+    if t.shape[0] % num_blocks:
+        raise ValueError(f"cache dim 0 ({t.shape[0]}) is not a multiple of {num_blocks} blocks")
+    split = t.shape[0] // num_blocks
+    esize = t.element_size()
+    inner = t[0]
+    if not inner.is_contiguous():
+        raise ValueError("a block's page must be contiguous in memory")
+    if split > 1 and t.stride(0) != inner.numel():
+        raise ValueError("kernel blocks of one block are not adjacent")
+    stride = t.stride(0) * esize * split
+    if page_bytes > stride:
+        raise ValueError(f"page of {page_bytes} bytes overruns the block stride {stride}")
+    base = torch.empty(0, dtype=torch.int8, device=t.device)
+    base.set_(
+        t.untyped_storage(), t.storage_offset() * esize, (num_blocks, page_bytes), (stride, 1)
+    )
+    return base
+
+
+def build_canonical(
+    kv_caches: Mapping[str, torch.Tensor],
+    group_layers: Sequence[Sequence[tuple[str, int]]],
+    num_blocks: int,
+) -> CanonicalKV:
+    """`group_layers[g]` lists (layer name, unpadded page bytes) for group g."""
+    index: dict[tuple[int, int], int] = {}
+    tensors: list[torch.Tensor] = []
+    groups: list[list[LayerRef]] = []
+    for layers in group_layers:
+        refs = []
+        for name, page in layers:
+            t = kv_caches[name]
+            view = canonical_view(t, num_blocks, page)
+            key = (view.data_ptr(), view.stride(0))
+            idx = index.get(key)
+            if idx is None:
+                idx = index[key] = len(tensors)
+                tensors.append(view)
+            elif view.shape[1] > tensors[idx].shape[1]:
+                tensors[idx] = view  # keep the widest page over an aliased region
+            refs.append(LayerRef(name, idx, page))
+        groups.append(refs)
+    return CanonicalKV(tensors, groups)
+
+
+def _ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(block_ids, dtype=torch.long, device=device)
+
+
+def gather_blocks(kv: CanonicalKV, g: int, block_ids: Sequence[int]) -> torch.Tensor:
+    """Copy group g's blocks into a new host entry (1-D int8, layer-major)."""
+    n = len(block_ids)
+    out = torch.empty(n * kv.block_bytes(g), dtype=torch.int8)
+    if not kv.groups[g]:
+        return out
+    device = kv.tensors[kv.groups[g][0].tensor_idx].device
+    idx = _ids(block_ids, device)
+    off = 0
+    for ref in kv.groups[g]:
+        src = kv.tensors[ref.tensor_idx][:, : ref.page_bytes]
+        dst = out[off : off + n * ref.page_bytes].view(n, ref.page_bytes)
+        if device.type == "cpu":
+            torch.index_select(src, 0, idx, out=dst)
+        else:
+            dst.copy_(src.index_select(0, idx))
+        off += n * ref.page_bytes
+    return out
+
+
+def scatter_blocks(
+    kv: CanonicalKV,
+    g: int,
+    entry: torch.Tensor,
+    slots: Sequence[int],
+    block_ids: Sequence[int],
+) -> None:
+    """Write rows `slots` of a stored entry of group g into engine blocks `block_ids`."""
+    n = entry.numel() // kv.block_bytes(g)
+    if n * kv.block_bytes(g) != entry.numel():
+        raise ValueError(f"entry of {entry.numel()} bytes is not whole blocks of group {g}")
+    if not kv.groups[g]:
+        return
+    device = kv.tensors[kv.groups[g][0].tensor_idx].device
+    idx = _ids(block_ids, device)
+    whole = list(slots) == list(range(n))
+    sel = None if whole else torch.tensor(slots, dtype=torch.long)
+    off = 0
+    for ref in kv.groups[g]:
+        rows = entry[off : off + n * ref.page_bytes].view(n, ref.page_bytes)
+        if sel is not None:
+            rows = rows.index_select(0, sel)
+        dst = kv.tensors[ref.tensor_idx][:, : ref.page_bytes]
+        dst.index_copy_(0, idx, rows.to(device, non_blocking=True))
+        off += n * ref.page_bytes

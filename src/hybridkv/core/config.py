@@ -1,0 +1,101 @@
+"""User configuration: the `kv_connector_extra_config` dict, checked once at start.
+
+Every error names the offending key, so a bad deployment fails at engine start rather
+than silently running without a cache.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "KI": 1024,
+    "KIB": 1024,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "MI": 1024**2,
+    "MIB": 1024**2,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "GI": 1024**3,
+    "GIB": 1024**3,
+    "T": 1000**4,
+    "TB": 1000**4,
+    "TI": 1024**4,
+    "TIB": 1024**4,
+}
+
+
+class ConfigError(ValueError):
+    """A bad hybridkv setting; the message starts with the key at fault."""
+
+
+def parse_size(value: Any, key: str = "size") -> int:
+    """Parse a byte count: an int, or a string such as "512MiB", "2GB", "1.5 GiB"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size like '512MiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    else:
+        raise ConfigError(f"{key}: expected a size like '512MiB' or an integer, got {value!r}")
+    if n < 0:
+        raise ConfigError(f"{key}: size must not be negative, got {value!r}")
+    return n
+
+
+CHECKPOINT_POLICIES = ("prompt_and_end", "every_chunk")
+
+
+@dataclass(frozen=True)
+class HybridKVConfig:
+    """Settings read from `kv_connector_extra_config`."""
+
+    cpu_bytes: int = 2 * 1024**3
+    # Tokens per stored chunk; None picks the smallest size every group's block tiles.
+    chunk_tokens: int | None = None
+    # Which recurrent-state boundaries are kept: see core/policy.py.
+    checkpoint_policy: str = "prompt_and_end"
+    # Names the weights in every key. Defaults to the engine's model path; set it when
+    # replicas load the same weights from different paths.
+    model_id: str | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> HybridKVConfig:
+        raw = dict(raw or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(
+                f"{unknown[0]}: unknown hybridkv setting in kv_connector_extra_config "
+                f"(known: {', '.join(sorted(known))})"
+            )
+        kwargs: dict[str, Any] = {}
+        if "cpu_bytes" in raw:
+            kwargs["cpu_bytes"] = parse_size(raw["cpu_bytes"], "cpu_bytes")
+        if raw.get("chunk_tokens") is not None:
+            ct = raw["chunk_tokens"]
+            if isinstance(ct, bool) or not isinstance(ct, int) or ct <= 0:
+                raise ConfigError(f"chunk_tokens: expected a positive integer, got {ct!r}")
+            kwargs["chunk_tokens"] = ct
+        if "checkpoint_policy" in raw:
+            pol = raw["checkpoint_policy"]
+            if pol not in CHECKPOINT_POLICIES:
+                raise ConfigError(
+                    f"checkpoint_policy: expected one of {CHECKPOINT_POLICIES}, got {pol!r}"
+                )
+            kwargs["checkpoint_policy"] = pol
+        if "model_id" in raw:
+            mid = raw["model_id"]
+            if not isinstance(mid, str) or not mid:
+                raise ConfigError(f"model_id: expected a non-empty string, got {mid!r}")
+            kwargs["model_id"] = mid
+        return cls(**kwargs)

@@ -1,0 +1,48 @@
+"""The storage-tier interface every tier implements (CPU memory now; disk and shared later).
+
+An entry is an opaque 1-D int8 tensor named by a key (bytes). Tiers never interpret
+entries; validation of content belongs to tiers that can damage it (disk, network).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TierStats:
+    entries: int = 0
+    bytes_used: int = 0
+    capacity_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    rejected_puts: int = 0
+    evictions: int = 0
+
+
+class Tier(ABC):
+    name: str
+
+    @abstractmethod
+    def contains(self, key: bytes) -> bool: ...
+
+    @abstractmethod
+    def get(self, key: bytes) -> torch.Tensor | None:
+        """The entry, or None on a miss. Callers must not modify it."""
+
+    @abstractmethod
+    def put(self, key: bytes, entry: torch.Tensor) -> bool:
+        """Store an entry the caller hands over; False if it was not stored."""
+
+    @abstractmethod
+    def delete(self, key: bytes) -> bool: ...
+
+    @abstractmethod
+    def stats(self) -> TierStats: ...
+
+    def clear(self) -> None:  # noqa: B027 - optional
+        """Drop every entry (used by `reset_cache`)."""

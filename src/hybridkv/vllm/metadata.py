@@ -1,0 +1,34 @@
+"""What the scheduler side tells the worker side each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from hybridkv.core.planner import EntryCopy
+
+
+@dataclass(frozen=True)
+class KeyedCopy:
+    key: bytes  # tier key of the entry (chunk key + group id)
+    copy: EntryCopy
+
+
+@dataclass
+class RequestLoad:
+    req_id: str
+    copies: list[KeyedCopy]
+
+
+@dataclass
+class RequestStore:
+    req_id: str
+    copies: list[KeyedCopy]  # write to the tiers now
+    staged: list[KeyedCopy] = field(default_factory=list)  # keep until the request ends
+
+
+@dataclass
+class HybridKVMetadata(KVConnectorMetadata):
+    loads: list[RequestLoad] = field(default_factory=list)
+    stores: list[RequestStore] = field(default_factory=list)
