@@ -53,9 +53,7 @@ def extend_chain(
     return chain
 
 
-def chunk_keys(
-    seed: bytes, tokens: Sequence[int], chunk_tokens: int
-) -> list[bytes]:
+def chunk_keys(seed: bytes, tokens: Sequence[int], chunk_tokens: int) -> list[bytes]:
     """Keys of every full chunk of `tokens`."""
     return extend_chain([], seed, tokens, chunk_tokens)
 

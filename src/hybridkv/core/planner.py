@@ -133,9 +133,7 @@ class Planner:
         windowed = [g for g, s in enumerate(self.groups) if s.kind is not GroupKind.FULL]
         for k in range(k_max, k_min - 1, -1):
             B = k * C
-            if all(
-                present(g, c) for g in windowed for c in self.needed_chunks(g, local_tokens, B)
-            ):
+            if all(present(g, c) for g in windowed for c in self.needed_chunks(g, local_tokens, B)):
                 return B
         return 0
 

@@ -24,7 +24,8 @@ from enum import Enum
 
 class StateAction(Enum):
     STORE = "store"  # write to the tiers now
-    STAGE = "stage"  # keep aside; the newest staged state is stored when the request ends
+    # Store, replacing the state this request staged before: the newest survives it.
+    STAGE = "stage"
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,10 @@ class TieredStore:
     def put(self, key: bytes, entry: torch.Tensor) -> bool:
         return self.tiers[0].put(key, entry)
 
+    def delete(self, key: bytes) -> None:
+        for t in self.tiers:
+            t.delete(key)
+
     def clear(self) -> None:
         for t in self.tiers:
             t.clear()

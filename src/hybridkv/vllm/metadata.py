@@ -25,7 +25,8 @@ class RequestLoad:
 class RequestStore:
     req_id: str
     copies: list[KeyedCopy]  # write to the tiers now
-    staged: list[KeyedCopy] = field(default_factory=list)  # keep until the request ends
+    # Newest decode-time states: replace what this request staged before.
+    staged: list[KeyedCopy] = field(default_factory=list)
 
 
 @dataclass

@@ -21,7 +21,8 @@ class WorkerSide:
         self.planner = planner
         self.store = store
         self.kv: CanonicalKV | None = None
-        self._staged: dict[str, list[tuple[bytes, torch.Tensor]]] = {}
+        # Keys of the staged (newest decode-time) states each running request inserted.
+        self._staged: dict[str, list[bytes]] = {}
         self._load_errors: set[int] = set()
         self._pending_scatters: list[tuple[torch.Tensor, KeyedCopy]] = []
         self.loaded_blocks = 0
@@ -87,14 +88,26 @@ class WorkerSide:
                 if self.store.put(kc.key, self._gather(kc)):
                     self.stored_entries += 1
             if job.staged:
-                self._staged[job.req_id] = [(kc.key, self._gather(kc)) for kc in job.staged]
+                self._replace_staged(job.req_id, job.staged)
+
+    def _replace_staged(self, req_id: str, staged: list[KeyedCopy]) -> None:
+        """Store a request's newest boundary state and drop the one it staged before, so
+        the state at its last boundary is what survives the request. It is stored at
+        once rather than at request end: the next turn may be looked up before the
+        engine takes another step."""
+        inserted = []
+        for kc in staged:
+            if not self.store.contains(kc.key) and self.store.put(kc.key, self._gather(kc)):
+                inserted.append(kc.key)
+                self.stored_entries += 1
+        for key in self._staged.pop(req_id, ()):
+            self.store.delete(key)
+        self._staged[req_id] = inserted
 
     def finished(self, finished_req_ids: set[str]) -> None:
-        """A request ended: its newest staged state becomes a stored checkpoint."""
+        """A request ended: what it staged last stays stored."""
         for req_id in finished_req_ids:
-            for key, entry in self._staged.pop(req_id, ()):
-                if self.store.put(key, entry):
-                    self.stored_entries += 1
+            self._staged.pop(req_id, None)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

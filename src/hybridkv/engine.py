@@ -1,0 +1,91 @@
+"""Helpers to start an offline vLLM engine with hybridkv on it (demo, tests, benchmarks).
+
+Kept out of `hybridkv.vllm` (the connector) because only tools use it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+CONNECTOR = {
+    "kv_connector": "HybridKVConnector",
+    "kv_connector_module_path": "hybridkv.vllm",
+    "kv_role": "kv_both",
+}
+
+
+def offline_env() -> None:
+    """Nothing may be fetched at run time; keep caches inside the user's cache dir."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+
+def make_llm(
+    model_dir: str,
+    extra_config: dict[str, Any] | None = None,
+    *,
+    connector: bool = True,
+    kv_cache_bytes: int = 256 << 20,
+    max_model_len: int = 4096,
+    **kwargs: Any,
+):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    offline_env()
+    ktc = None
+    if connector:
+        ktc = KVTransferConfig(**CONNECTOR, kv_connector_extra_config=dict(extra_config or {}))
+    return LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        max_model_len=max_model_len,
+        seed=0,
+        kv_transfer_config=ktc,
+        **kwargs,
+    )
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]  # of each chosen token
+    num_cached_tokens: int
+
+
+def generate(
+    llm, prompts: list[list[int]], max_tokens: int = 8, salt: str | None = None, **sp: Any
+) -> list[Generation]:
+    """Greedy generation from token-id prompts, with an optional `cache_salt`."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        temperature=0, max_tokens=max_tokens, logprobs=0, detokenize=False, **sp
+    )
+    salted = {"cache_salt": salt} if salt is not None else {}
+    inputs = [TokensPrompt(prompt_token_ids=p, **salted) for p in prompts]
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        lps = [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids, strict=True)]
+        result.append(Generation(list(c.token_ids), lps, o.num_cached_tokens or 0))
+    return result
+
+
+def scheduler_connector(llm):
+    """The scheduler-side connector of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def worker_connector():
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()

@@ -1,0 +1,62 @@
+"""Serving behaviour on a real engine: batches, multi-turn, bad configuration."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tokens
+
+from hybridkv.engine import generate, scheduler_connector
+
+pytestmark = pytest.mark.engine
+
+
+def test_concurrent_mixed_hits_match_engine_without_connector(model_dirs, engine_factory):
+    """16 requests at once, half restored by hybridkv, against an engine without the
+    connector whose own prefix cache serves the same prefixes: same schedule, so the
+    outputs must be identical."""
+    model = model_dirs["qwen3-next"]
+    seen = [tokens(300 + 40 * i, seed=100 + i) for i in range(8)]
+    fresh = [tokens(280 + 50 * i, seed=200 + i) for i in range(8)]
+    batch = [p for pair in zip(seen, fresh, strict=True) for p in pair]
+    plain = engine_factory(model, connector=False)
+    generate(plain, seen, max_tokens=6)
+    expected = generate(plain, batch, max_tokens=6)
+
+    llm = engine_factory(model, {"cpu_bytes": "256MiB"})
+    generate(llm, seen, max_tokens=6)
+    llm.reset_prefix_cache()
+    got = generate(llm, batch, max_tokens=6)
+    hits = [g.num_cached_tokens for g in got]
+    assert all(h > 0 for h in hits[0::2]), hits  # every seen prompt is restored
+    assert all(h == 0 for h in hits[1::2]), hits  # fresh prompts miss
+    assert hits == [e.num_cached_tokens for e in expected]
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    assert [g.logprobs for g in got] == [e.logprobs for e in expected]
+
+
+def test_next_turn_hits_state_at_end_of_previous_turn(model_dirs, engine_factory):
+    """Marconi's rule: the state at the last boundary a request reached while decoding is
+    kept, so the next turn (prompt + answer + new text) resumes past the old prompt."""
+    llm = engine_factory(model_dirs["qwen3-next"], {"cpu_bytes": "256MiB"})
+    C = scheduler_connector(llm).planner.chunk_tokens
+    prompt = tokens(500, seed=300)
+    first = generate(llm, [prompt], max_tokens=300, ignore_eos=True)[0]
+    computed = len(prompt) + len(first.token_ids) - 1  # the last token is never fed
+    llm.reset_prefix_cache()
+    turn2 = prompt + first.token_ids + tokens(50, seed=301)
+    restored = generate(llm, [turn2], max_tokens=8)[0]
+    assert restored.num_cached_tokens == computed // C * C
+    assert restored.num_cached_tokens > (len(prompt) - 1) // C * C
+    native = generate(llm, [turn2], max_tokens=8)[0]
+    assert restored.token_ids == native.token_ids
+    assert restored.logprobs == native.logprobs
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [({"cpu_bytez": "1GiB"}, "cpu_bytez"), ({"cpu_bytes": "lots"}, "cpu_bytes")],
+)
+def test_bad_config_fails_at_start_naming_the_key(model_dirs, engine_factory, extra, key):
+    with pytest.raises(Exception) as info:
+        engine_factory(model_dirs["qwen3"], extra)
+    assert key in str(info.value)
