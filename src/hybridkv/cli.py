@@ -58,15 +58,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ws = worker_connector().worker_side
     same = again.token_ids == ref.token_ids and again.logprobs == ref.logprobs
     print(f"prompt tokens            {len(prompt)}")
-    print(
-        f"tokens restored          {restored.num_cached_tokens} (native hit: {native.num_cached_tokens})"
-    )
+    hit, native_hit = restored.num_cached_tokens, native.num_cached_tokens
+    print(f"tokens restored          {hit} (native hit: {native_hit})")
     print(f"blocks loaded            {ws.loaded_blocks}, entries stored {ws.stored_entries}")
     print(f"TTFT cold                {t_cold * 1e3:8.1f} ms")
     print(f"TTFT native prefix hit   {t_native * 1e3:8.1f} ms")
-    print(
-        f"TTFT restored (hybridkv) {t_restored * 1e3:8.1f} ms   cold/restored = {t_cold / t_restored:.1f}x"
-    )
+    speedup = t_cold / t_restored
+    print(f"TTFT restored (hybridkv) {t_restored * 1e3:8.1f} ms   cold/restored = {speedup:.1f}x")
     print(f"first token cold == restored: {cold.token_ids == restored.token_ids}")
     print(f"{args.max_tokens} greedy tokens + logprobs restored == native hit: {same}")
     ok = restored.num_cached_tokens > 0 and same and cold.token_ids == restored.token_ids

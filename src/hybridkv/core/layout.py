@@ -17,7 +17,7 @@ import blake3
 FORMAT_VERSION = 1
 
 
-class GroupKind(str, enum.Enum):
+class GroupKind(enum.StrEnum):
     FULL = "full"
     SLIDING = "sliding"
     STATE = "state"  # recurrent (Mamba / GDN) state: one per checkpoint boundary
