@@ -16,18 +16,27 @@ SIZES = ("tiny", "small")
 _VOCAB = {"tiny": 2048, "small": 32000}
 
 
+def _dims(size: str, layers: tuple[int, int]) -> dict[str, Any]:
+    """Shapes every architecture here shares; head dims are ones the CPU kernels take."""
+    tiny = size == "tiny"
+    return dict(
+        hidden_size=256 if tiny else 768,
+        intermediate_size=512 if tiny else 2048,
+        num_hidden_layers=layers[0] if tiny else layers[1],
+        num_attention_heads=4 if tiny else 8,
+        num_key_value_heads=2,
+        head_dim=64 if tiny else 128,
+        max_position_embeddings=16384,
+    )
+
+
 def _qwen3_next(size: str) -> dict[str, Any]:
     # The CPU GDN kernel takes linear head dims of 64 or 128 only, and bf16.
     tiny = size == "tiny"
     return dict(
+        _dims(size, (4, 8)),
         model_type="qwen3_next",
-        hidden_size=256 if tiny else 768,
-        intermediate_size=512 if tiny else 2048,
-        num_hidden_layers=4 if tiny else 8,
         full_attention_interval=4,
-        num_attention_heads=4 if tiny else 8,
-        num_key_value_heads=2,
-        head_dim=64 if tiny else 128,
         linear_num_key_heads=2 if tiny else 4,
         linear_num_value_heads=4 if tiny else 8,
         linear_key_head_dim=64 if tiny else 128,
@@ -38,37 +47,19 @@ def _qwen3_next(size: str) -> dict[str, Any]:
         moe_intermediate_size=128 if tiny else 512,
         shared_expert_intermediate_size=128 if tiny else 512,
         decoder_sparse_step=1,
-        max_position_embeddings=16384,
     )
 
 
 def _gemma3(size: str) -> dict[str, Any]:
-    tiny = size == "tiny"
     return dict(
+        _dims(size, (6, 12)),
         model_type="gemma3_text",
-        hidden_size=256 if tiny else 768,
-        intermediate_size=512 if tiny else 2048,
-        num_hidden_layers=6 if tiny else 12,
-        num_attention_heads=4 if tiny else 8,
-        num_key_value_heads=2,
-        head_dim=64 if tiny else 128,
-        sliding_window=192 if tiny else 512,
-        max_position_embeddings=16384,
+        sliding_window=192 if size == "tiny" else 512,
     )
 
 
 def _qwen3(size: str) -> dict[str, Any]:
-    tiny = size == "tiny"
-    return dict(
-        model_type="qwen3",
-        hidden_size=256 if tiny else 768,
-        intermediate_size=512 if tiny else 2048,
-        num_hidden_layers=2 if tiny else 12,
-        num_attention_heads=4 if tiny else 8,
-        num_key_value_heads=2,
-        head_dim=64 if tiny else 128,
-        max_position_embeddings=16384,
-    )
+    return dict(_dims(size, (2, 12)), model_type="qwen3")
 
 
 _BUILDERS = {"qwen3-next": _qwen3_next, "gemma3": _gemma3, "qwen3": _qwen3}
