@@ -1,0 +1,114 @@
+"""User configuration: sizes, validation, and errors that name the key at fault."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hybridkv.core.config import ConfigError, HybridKVConfig, parse_size
+from hybridkv.core.store import TieredStore
+
+
+@pytest.mark.parametrize("raw", [None, {}])
+def test_defaults(raw):
+    cfg = HybridKVConfig.from_dict(raw)
+    assert cfg == HybridKVConfig()
+    assert cfg.cpu_bytes == 2 * 1024**3
+    assert cfg.chunk_tokens is None
+    assert cfg.checkpoint_policy == "prompt_and_end"
+    assert cfg.model_id is None
+    assert TieredStore.from_config(cfg).tiers[0].capacity == 2 * 1024**3
+
+
+def test_from_dict_does_not_mutate_its_input():
+    raw = {"cpu_bytes": "1KiB"}
+    HybridKVConfig.from_dict(raw)
+    assert raw == {"cpu_bytes": "1KiB"}
+
+
+def test_all_settings():
+    cfg = HybridKVConfig.from_dict(
+        {
+            "cpu_bytes": "512MiB",
+            "chunk_tokens": 256,
+            "checkpoint_policy": "every_chunk",
+            "model_id": "org/model",
+        }
+    )
+    assert cfg == HybridKVConfig(512 * 1024**2, 256, "every_chunk", "org/model")
+    assert HybridKVConfig.from_dict({"chunk_tokens": None}).chunk_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("512MiB", 512 * 1024**2),
+        ("2GB", 2 * 10**9),
+        ("1.5GiB", 3 * 1024**3 // 2),
+        ("1.5 GiB", 3 * 1024**3 // 2),
+        (" 10 kib ", 10 * 1024),
+        ("3M", 3 * 10**6),
+        ("2Ti", 2 * 1024**4),
+        ("7B", 7),
+        ("42", 42),
+        (1234, 1234),
+        (0, 0),
+    ],
+)
+def test_parse_size(value, expected):
+    assert parse_size(value) == expected
+    assert HybridKVConfig.from_dict({"cpu_bytes": value}).cpu_bytes == expected
+
+
+@given(n=st.integers(0, 10**6), unit=st.sampled_from(["KiB", "MiB", "GiB", "KB", "MB", "GB"]))
+def test_parse_size_units(n, unit):
+    base = 1024 if "i" in unit else 1000
+    power = "KMG".index(unit[0]) + 1
+    assert parse_size(f"{n}{unit}") == n * base**power
+    assert parse_size(f"{n}{unit.lower()}") == n * base**power
+
+
+@pytest.mark.parametrize("value", ["lots", "12XB", "-5", "-1MiB", "1e9", "", "MiB", 1.5, None, []])
+def test_bad_sizes(value):
+    with pytest.raises(ConfigError, match=r"^cpu_bytes: "):
+        HybridKVConfig.from_dict({"cpu_bytes": value})
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_bool_is_not_a_size(value):
+    with pytest.raises(ConfigError, match=r"^cpu_bytes: "):
+        HybridKVConfig.from_dict({"cpu_bytes": value})
+
+
+def test_negative_size():
+    with pytest.raises(ConfigError, match=r"^cpu_bytes: size must not be negative"):
+        HybridKVConfig.from_dict({"cpu_bytes": -1})
+    with pytest.raises(ConfigError, match=r"^my_key: "):
+        parse_size(-1, "my_key")
+
+
+def test_unknown_key():
+    with pytest.raises(ConfigError, match=r"^cpu_byte: unknown hybridkv setting"):
+        HybridKVConfig.from_dict({"cpu_byte": "1GiB"})
+    # The first unknown key (sorted) is named even next to valid ones.
+    with pytest.raises(ConfigError, match=r"^a_setting: "):
+        HybridKVConfig.from_dict({"zzz": 1, "a_setting": 2, "cpu_bytes": 1})
+
+
+@pytest.mark.parametrize("value", ["every", "", None, "PROMPT_AND_END", 1])
+def test_bad_checkpoint_policy(value):
+    with pytest.raises(ConfigError, match=r"^checkpoint_policy: "):
+        HybridKVConfig.from_dict({"checkpoint_policy": value})
+
+
+@pytest.mark.parametrize("value", [0, -1, "x", "64", True, False, 64.0])
+def test_bad_chunk_tokens(value):
+    with pytest.raises(ConfigError, match=r"^chunk_tokens: "):
+        HybridKVConfig.from_dict({"chunk_tokens": value})
+
+
+@pytest.mark.parametrize("value", ["", None, 7, b"org/model", ["a"]])
+def test_bad_model_id(value):
+    with pytest.raises(ConfigError, match=r"^model_id: "):
+        HybridKVConfig.from_dict({"model_id": value})

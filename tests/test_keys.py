@@ -1,0 +1,172 @@
+"""Chunk keys: stable across processes, prefix-closed, salted and layout-separated."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.core.keys import KEY_BYTES, chain_seed, chunk_keys, extend_chain, group_key
+from hybridkv.core.layout import GroupKind, GroupSpec, Layout
+
+TOKEN = st.integers(0, 2**32 - 1)  # token ids fill the whole uint32 range
+CHUNK = st.sampled_from([1, 2, 3, 4, 8, 16])
+SEED = st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES)
+
+
+def _layout(model: str = "m", window: int = 64) -> Layout:
+    return Layout(
+        model=model,
+        groups=(
+            GroupSpec(GroupKind.FULL, 16, 4096, ("model.layers.0.attn", "model.layers.2.attn")),
+            GroupSpec(GroupKind.SLIDING, 16, 2048, ("model.layers.1.attn",), window=window),
+            GroupSpec(GroupKind.STATE, 64, 9000, ("model.layers.3.linear_attn",), dtype="bf16"),
+        ),
+        tp_size=2,
+    )
+
+
+_CHILD = r"""
+import json, sys
+from hybridkv.core.keys import chain_seed, chunk_keys
+from hybridkv.core.layout import GroupKind, GroupSpec, Layout
+a = json.loads(sys.argv[1])
+layout = Layout(
+    model=a["model"],
+    groups=(
+        GroupSpec(GroupKind.FULL, 16, 4096, ("model.layers.0.attn", "model.layers.2.attn")),
+        GroupSpec(GroupKind.SLIDING, 16, 2048, ("model.layers.1.attn",), window=a["window"]),
+        GroupSpec(GroupKind.STATE, 64, 9000, ("model.layers.3.linear_attn",), dtype="bf16"),
+    ),
+    tp_size=2,
+)
+seed = chain_seed(layout.fingerprint, a["salt"])
+keys = chunk_keys(seed, a["tokens"], a["chunk"])
+print(json.dumps({"hash": hash("hybridkv"), "fp": layout.fingerprint.hex(),
+                  "keys": [k.hex() for k in keys]}))
+"""
+
+
+def _child_keys(hashseed: str, args: dict) -> dict:
+    env = dict(os.environ, PYTHONHASHSEED=hashseed)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return json.loads(out.stdout)
+
+
+def test_keys_identical_across_processes_with_different_hash_seeds():
+    tokens = [(i * 2654435761) % (2**32) for i in range(200)]  # includes ids above 2**16
+    args = {"model": "org/model", "window": 64, "salt": "tenant-a", "tokens": tokens, "chunk": 16}
+    a = _child_keys("1", args)
+    b = _child_keys("987654", args)
+    # The two interpreters really hash differently, so equal keys are not luck.
+    assert a["hash"] != b["hash"]
+
+    layout = _layout("org/model", 64)
+    here = chunk_keys(chain_seed(layout.fingerprint, "tenant-a"), tokens, 16)
+    assert len(here) == 200 // 16
+    assert a["fp"] == b["fp"] == layout.fingerprint.hex()
+    assert a["keys"] == b["keys"] == [k.hex() for k in here]
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=SEED, tokens=st.lists(TOKEN, max_size=70), chunk=CHUNK, data=st.data())
+def test_prefix_property_and_full_chunks_only(seed, tokens, chunk, data):
+    keys = chunk_keys(seed, tokens, chunk)
+    assert len(keys) == len(tokens) // chunk
+    assert all(len(k) == KEY_BYTES for k in keys)
+    assert len(set(keys)) == len(keys)
+    n = data.draw(st.integers(0, len(tokens)), label="n")
+    assert keys[: n // chunk] == chunk_keys(seed, tokens[:n], chunk)
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=SEED, tokens=st.lists(TOKEN, min_size=1, max_size=70), chunk=CHUNK, data=st.data())
+def test_changing_a_token_changes_exactly_the_keys_from_its_chunk_on(seed, tokens, chunk, data):
+    p = data.draw(st.integers(0, len(tokens) - 1), label="p")
+    new = data.draw(TOKEN.filter(lambda t: t != tokens[p]), label="new")
+    changed = list(tokens)
+    changed[p] = new
+    a = chunk_keys(seed, tokens, chunk)
+    b = chunk_keys(seed, changed, chunk)
+    assert len(a) == len(b)
+    for i, (ka, kb) in enumerate(zip(a, b, strict=True)):
+        assert (ka != kb) == (i >= p // chunk), i
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=SEED,
+    tokens=st.lists(TOKEN, max_size=70),
+    chunk=CHUNK,
+    cuts=st.lists(st.integers(0, 70), max_size=6),
+)
+def test_extend_chain_incrementally_equals_all_at_once(seed, tokens, chunk, cuts):
+    chain: list[bytes] = []
+    for cut in [*cuts, len(tokens)]:  # growing, shrinking and repeated prefixes
+        prefix = tokens[:cut]
+        before = list(chain)
+        returned = extend_chain(chain, seed, prefix, chunk)
+        assert returned is chain  # extended in place
+        assert chain[: len(before)] == before  # never rewrites existing keys
+        assert chain == chunk_keys(seed, tokens, chunk)[: max(len(before), cut // chunk)]
+    assert chain == chunk_keys(seed, tokens, chunk)
+
+
+def test_no_salt_and_empty_salt_are_the_same_seed():
+    fp = _layout().fingerprint
+    assert chain_seed(fp, None) == chain_seed(fp, "")
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    salts=st.lists(st.one_of(st.none(), st.text(max_size=12)), min_size=2, max_size=2),
+    tokens=st.lists(TOKEN, min_size=4, max_size=40),
+)
+def test_different_salts_give_disjoint_keys(salts, tokens):
+    a, b = ((s or "") for s in salts)  # None and "" are the same salt by design
+    fp = _layout().fingerprint
+    ka = chunk_keys(chain_seed(fp, salts[0]), tokens, 4)
+    kb = chunk_keys(chain_seed(fp, salts[1]), tokens, 4)
+    if a == b:
+        assert ka == kb
+    else:
+        assert chain_seed(fp, salts[0]) != chain_seed(fp, salts[1])
+        assert not set(ka) & set(kb)
+
+
+def test_different_layouts_give_disjoint_keys():
+    layouts = [
+        _layout("m"),
+        _layout("m2"),
+        _layout("m", window=128),
+        Layout("m", _layout().groups, tp_size=1),
+        Layout("m", _layout().groups[:2], tp_size=2),
+    ]
+    fps = [lay.fingerprint for lay in layouts]
+    assert len(set(fps)) == len(fps)
+    tokens = list(range(1000, 1064))
+    all_keys = [set(chunk_keys(chain_seed(fp, None), tokens, 8)) for fp in fps]
+    for i in range(len(all_keys)):
+        for j in range(i + 1, len(all_keys)):
+            assert not all_keys[i] & all_keys[j], (i, j)
+    # The same layout built twice (fresh objects) has the same fingerprint.
+    assert _layout("m").fingerprint == fps[0]
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=SEED, tokens=st.lists(TOKEN, min_size=8, max_size=32))
+def test_group_key_separates_groups_and_chunks(seed, tokens):
+    keys = chunk_keys(seed, tokens, 4)
+    gkeys = [group_key(k, g) for k in keys for g in (0, 1, 2, 255, 256, 65535)]
+    assert len(set(gkeys)) == len(gkeys)
