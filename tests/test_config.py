@@ -61,10 +61,13 @@ def test_parse_size(value, expected):
     assert HybridKVConfig.from_dict({"cpu_bytes": value}).cpu_bytes == expected
 
 
-@given(n=st.integers(0, 10**6), unit=st.sampled_from(["KiB", "MiB", "GiB", "KB", "MB", "GB"]))
+UNITS = ["KiB", "MiB", "GiB", "TiB", "Ki", "Mi", "Gi", "Ti", "KB", "MB", "GB", "TB", "K", "M", "G"]
+
+
+@given(n=st.integers(0, 10**6), unit=st.sampled_from(UNITS))
 def test_parse_size_units(n, unit):
     base = 1024 if "i" in unit else 1000
-    power = "KMG".index(unit[0]) + 1
+    power = "KMGT".index(unit[0]) + 1
     assert parse_size(f"{n}{unit}") == n * base**power
     assert parse_size(f"{n}{unit.lower()}") == n * base**power
 

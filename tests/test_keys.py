@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 
-from hypothesis import given, settings
+import blake3
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.core.keys import KEY_BYTES, chain_seed, chunk_keys, extend_chain, group_key
@@ -111,6 +113,7 @@ def test_changing_a_token_changes_exactly_the_keys_from_its_chunk_on(seed, token
     chunk=CHUNK,
     cuts=st.lists(st.integers(0, 70), max_size=6),
 )
+@example(seed=bytes(KEY_BYTES), tokens=list(range(10)), chunk=2, cuts=[3, 7, 5])
 def test_extend_chain_incrementally_equals_all_at_once(seed, tokens, chunk, cuts):
     chain: list[bytes] = []
     for cut in [*cuts, len(tokens)]:  # growing, shrinking and repeated prefixes
@@ -121,6 +124,22 @@ def test_extend_chain_incrementally_equals_all_at_once(seed, tokens, chunk, cuts
         assert chain[: len(before)] == before  # never rewrites existing keys
         assert chain == chunk_keys(seed, tokens, chunk)[: max(len(before), cut // chunk)]
     assert chain == chunk_keys(seed, tokens, chunk)
+
+
+def test_token_bytes_are_little_endian_uint32():
+    """The documented wire format, written out independently: key i = blake3(key i-1 ||
+    chunk i's tokens as little-endian uint32), 16 bytes. A stored key must keep meaning
+    the same tokens across versions and machines."""
+    seed = bytes(range(KEY_BYTES))
+    tokens = [0, 1, 0xFFFF, 0x10000, 0x12345678, 2**32 - 1, 7, 65536 * 3]
+    prev, expect = seed, []
+    for i in range(0, len(tokens), 4):
+        prev = blake3.blake3(prev + struct.pack("<4I", *tokens[i : i + 4])).digest(KEY_BYTES)
+        expect.append(prev)
+    assert chunk_keys(seed, tokens, 4) == expect
+    # Token ids beyond 16 bits are not truncated.
+    assert chunk_keys(seed, [5], 1) != chunk_keys(seed, [5 + 2**16], 1)
+    assert chunk_keys(seed, [5], 1) != chunk_keys(seed, [5 + 2**31], 1)
 
 
 def test_no_salt_and_empty_salt_are_the_same_seed():

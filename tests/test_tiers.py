@@ -138,6 +138,19 @@ def test_oversized_entry_is_rejected_and_counted():
     assert tier.stats().bytes_used == 100
 
 
+def test_budget_boundary_is_exact():
+    tier = MemoryTier(100)
+    tier.put(key(0), entry(60))
+    tier.put(key(1), entry(40))  # 100 of 100: fits without eviction
+    assert tier.stats().evictions == 0
+    tier.put(key(2), entry(1))  # one byte over: the oldest goes
+    assert not tier.contains(key(0)) and tier.contains(key(1)) and tier.contains(key(2))
+    assert tier.stats().bytes_used == 41
+    tier.put(key(3), entry(60))  # 101 again: evicts key 1
+    assert [tier.contains(key(i)) for i in range(4)] == [False, False, True, True]
+    assert tier.stats().bytes_used == 61
+
+
 def test_stats_counters():
     tier = MemoryTier(1000)
     assert tier.get(key(0)) is None
