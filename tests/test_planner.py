@@ -28,7 +28,10 @@ def planners(draw, max_groups: int = 4) -> Planner:
     for i in range(n):
         kind = draw(st.sampled_from([FULL, SLIDING, STATE]))
         bs = draw(st.sampled_from(divisors))
-        window = draw(st.integers(1, 3 * C)) if kind is SLIDING else None
+        window = None
+        if kind is SLIDING:  # often just around a block multiple, where rounding matters
+            near = bs * draw(st.integers(1, 3 * C // bs)) + draw(st.sampled_from([-1, 0, 1]))
+            window = draw(st.one_of(st.integers(1, 3 * C), st.just(max(near, 1))))
         groups.append(spec(kind, bs, window, i))
     # Usually let the planner pick the chunk size itself (needs a group at C).
     if draw(st.booleans()):
@@ -124,7 +127,7 @@ def test_no_groups_is_an_error():
 # ---- store_plan -------------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(p=planners(), n_chunks=st.integers(1, 5), data=st.data())
 def test_store_plan_covers_every_block_exactly_once(p, n_chunks, data):
     C = p.chunk_tokens
@@ -156,7 +159,7 @@ def test_store_plan_covers_every_block_exactly_once(p, n_chunks, data):
         assert sorted(seen) == list(range(lo * per, hi * per))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(p=planners(), n_chunks=st.integers(1, 5), data=st.data())
 def test_store_plan_skips_null_blocks_and_incomplete_chunks(p, n_chunks, data):
     C = p.chunk_tokens
@@ -223,7 +226,7 @@ def load_case(draw):
     return p, local, boundary, ids
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(load_case())
 def test_load_plan_loads_exactly_the_needed_blocks(case):
     p, local, boundary, ids = case
@@ -261,8 +264,9 @@ def test_load_plan_state_without_a_block_is_an_error():
 
 
 def test_load_plan_example():
-    # local hit 32 tokens; resume at 128: full blocks 2..7, sliding window 40 -> tokens 88+.
-    p = Planner([spec(FULL, 16), spec(SLIDING, 16, window=40, i=1), spec(STATE, 64, i=2)])
+    # local hit 32 tokens; resume at 128: full blocks 2..7, sliding window 33 -> token 95
+    # on, i.e. from block 5.
+    p = Planner([spec(FULL, 16), spec(SLIDING, 16, window=33, i=1), spec(STATE, 64, i=2)])
     assert p.chunk_tokens == 64
     ids = [list(range(1, 9)), [0, 0, 0, 0, 0, 15, 16, 17], [30, 31]]
     plan = p.load_plan(32, 128, ids)
@@ -315,7 +319,7 @@ def hit_case(draw):
     return p, L, local, present_sets
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(hit_case())
 def test_find_hit_is_the_largest_restorable_boundary(case):
     p, L, local, sets = case
@@ -333,7 +337,7 @@ def test_find_hit_is_the_largest_restorable_boundary(case):
             assert set(p.needed_chunks(g, local, hit)) == oracle_needed_chunks(p, g, local, hit)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(p=planners(), data=st.data())
 def test_find_hit_with_everything_stored(p, data):
     C = p.chunk_tokens
@@ -345,7 +349,7 @@ def test_find_hit_with_everything_stored(p, data):
     assert hit < max(L, 1)  # never the whole prompt
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(data=st.data())
 def test_missing_state_drops_the_hit_to_an_earlier_stored_state(data):
     C = data.draw(st.sampled_from([32, 64]), label="C")
@@ -385,7 +389,7 @@ class FakeEngine:
     blocks: dict[int, tuple[int, int]]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(p=planners(), n_chunks=st.integers(1, 5), data=st.data())
 def test_store_find_load_round_trip(p, n_chunks, data):
     """Store everything engine A computed, then restore engine B from it."""

@@ -30,7 +30,7 @@ def test_prompt_checkpoint_is_the_last_boundary_before_the_prompt_end(pol, n):
         assert ck <= n - 1
 
 
-@settings(max_examples=300)
+@settings(max_examples=200)
 @given(pol=policies(), data=st.data())
 def test_materialized_boundaries(pol, data):
     C, sbs = pol.chunk_tokens, pol.state_block_tokens
@@ -69,7 +69,7 @@ def test_materialized_examples():
     assert fine.materialized(0, 1100, 1025) == [1024]  # engine checkpoint 1024 is one
 
 
-@settings(max_examples=300)
+@settings(max_examples=200)
 @given(
     chunk=st.sampled_from([4, 16, 64]),
     n=st.integers(1, 2000),

@@ -68,7 +68,7 @@ OPS = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(capacity=st.integers(0, 300), ops=st.lists(OPS, max_size=40))
 def test_memory_tier_matches_reference_lru(capacity, ops):
     tier = MemoryTier(capacity)

@@ -184,6 +184,8 @@ class Planner:
         for g, spec in enumerate(self.groups):
             if spec.kind is GroupKind.STATE:
                 for B in state_boundaries:
+                    if B <= 0:
+                        continue
                     i = B // spec.block_tokens - 1
                     bid = block_ids[g][i] if i < len(block_ids[g]) else NULL_BLOCK
                     if bid != NULL_BLOCK:

@@ -80,6 +80,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                     mode,
                 )
                 enabled = False
+            if self.planner.chunk_tokens != state_groups[0].block_tokens:
+                # vLLM materializes states at multiples of its state block only: a larger
+                # chunk would leave the prompt checkpoint unstorable (silently no hits).
+                raise ConfigError(
+                    f"chunk_tokens: must equal the recurrent block size "
+                    f"{state_groups[0].block_tokens} here, got {self.planner.chunk_tokens}"
+                )
             policy = CheckpointPolicy(
                 self.config.checkpoint_policy,
                 self.planner.chunk_tokens,
