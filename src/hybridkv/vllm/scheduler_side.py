@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hybridkv.core.keys import chain_seed, extend_chain, group_key
 from hybridkv.core.layout import GroupKind, Layout
-from hybridkv.core.planner import Planner
+from hybridkv.core.planner import EntryCopy, Planner
 from hybridkv.core.policy import CheckpointPolicy, StateAction
 from hybridkv.core.store import TieredStore
 from hybridkv.vllm.metadata import HybridKVMetadata, KeyedCopy, RequestLoad, RequestStore
@@ -18,7 +17,9 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+
+def _keyed(chain: list[bytes], plan: list[EntryCopy]) -> list[KeyedCopy]:
+    return [KeyedCopy(group_key(chain[c.chunk], c.group), c) for c in plan]
 
 
 @dataclass
@@ -91,12 +92,7 @@ class SchedulerSide:
         local, boundary = st.hit
         st.hit = None
         plan = self.planner.load_plan(local, boundary, blocks.get_block_ids())
-        keys = st.keys
-        self._loads.append(
-            RequestLoad(
-                request.request_id, [KeyedCopy(group_key(keys[c.chunk], c.group), c) for c in plan]
-            )
-        )
+        self._loads.append(RequestLoad(request.request_id, _keyed(st.keys, plan)))
         # What was loaded is stored already.
         st.stored_chunks = max(st.stored_chunks, boundary // self.planner.chunk_tokens)
 
@@ -129,15 +125,12 @@ class SchedulerSide:
             block_ids = self._manager.get_block_ids(req_id)
             st.stored_chunks = max(st.stored_chunks, end // C)
 
-            def keyed(plan, keys=keys):
-                return [KeyedCopy(group_key(keys[c.chunk], c.group), c) for c in plan]
-
             copies = [
                 kc
-                for kc in keyed(self.planner.store_plan(chunks, store_at, block_ids))
+                for kc in _keyed(keys, self.planner.store_plan(chunks, store_at, block_ids))
                 if not self.store.contains(kc.key)
             ]
-            staged = keyed(self.planner.store_plan(range(0), stage_at, block_ids))
+            staged = _keyed(keys, self.planner.store_plan(range(0), stage_at, block_ids))
             if copies or staged:
                 meta.stores.append(RequestStore(req_id, copies, staged))
         return meta
