@@ -7,7 +7,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridkv.core.config import ConfigError, HybridKVConfig, parse_size
-from hybridkv.core.store import TieredStore
 
 
 @pytest.mark.parametrize("raw", [None, {}])
@@ -18,7 +17,6 @@ def test_defaults(raw):
     assert cfg.chunk_tokens is None
     assert cfg.checkpoint_policy == "prompt_and_end"
     assert cfg.model_id is None
-    assert TieredStore.from_config(cfg).tiers[0].capacity == 2 * 1024**3
 
 
 def test_from_dict_does_not_mutate_its_input():
@@ -115,3 +113,47 @@ def test_bad_chunk_tokens(value):
 def test_bad_model_id(value):
     with pytest.raises(ConfigError, match=r"^model_id: "):
         HybridKVConfig.from_dict({"model_id": value})
+
+
+def test_disk_settings(tmp_path):
+    cfg = HybridKVConfig.from_dict(
+        {
+            "disk_path": str(tmp_path / "new"),
+            "disk_bytes": "2GiB",
+            "disk_fsync": True,
+            "disk_queue_bytes": "64MiB",
+        }
+    )
+    assert (cfg.disk_path, cfg.disk_bytes) == (str(tmp_path / "new"), 2 * 1024**3)
+    assert (cfg.disk_fsync, cfg.disk_queue_bytes) == (True, 64 * 1024**2)
+    assert HybridKVConfig.from_dict({"disk_path": str(tmp_path)}).disk_bytes == 16 * 1024**3
+    assert HybridKVConfig().disk_path is None
+
+
+@pytest.mark.parametrize("key", ["disk_bytes", "disk_fsync", "disk_queue_bytes"])
+def test_disk_setting_without_disk_path(key):
+    with pytest.raises(ConfigError, match=rf"^{key}: has no effect without disk_path"):
+        HybridKVConfig.from_dict({key: "1GiB"})
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"disk_path": ""}, "disk_path"),
+        ({"disk_path": 7}, "disk_path"),
+        ({"disk_bytes": 0}, "disk_bytes"),
+        ({"disk_bytes": "big"}, "disk_bytes"),
+        ({"disk_queue_bytes": 0}, "disk_queue_bytes"),
+        ({"disk_fsync": "yes"}, "disk_fsync"),
+    ],
+)
+def test_bad_disk_settings(tmp_path, extra, key):
+    with pytest.raises(ConfigError, match=rf"^{key}: "):
+        HybridKVConfig.from_dict({"disk_path": str(tmp_path), **extra})
+
+
+def test_disk_path_must_not_be_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("")
+    with pytest.raises(ConfigError, match=r"^disk_path: .* is not a directory"):
+        HybridKVConfig.from_dict({"disk_path": str(f)})

@@ -6,14 +6,18 @@ bit-exact with recomputation on this platform; a restore must match it exactly.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 from conftest import tokens
 
 from hybridkv.core.keys import group_key
 from hybridkv.core.layout import GroupKind
-from hybridkv.engine import generate, make_llm, scheduler_connector, worker_connector
+from hybridkv.engine import (
+    generate,
+    make_llm,
+    scheduler_connector,
+    shutdown,
+    worker_connector,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -24,9 +28,7 @@ ARCHS = ["qwen3-next", "gemma3", "qwen3"]
 def engine(request, model_dirs):
     llm = make_llm(model_dirs[request.param], {"cpu_bytes": "256MiB"})
     yield request.param, llm
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    shutdown(llm)
 
 
 def _chunk(llm) -> int:
@@ -113,6 +115,34 @@ def test_missing_state_gives_shorter_hit_not_wrong_answer(engine):
     restored = generate(llm, [base])[0]
     assert restored.num_cached_tokens == 512
     native = generate(llm, [base])[0]
+    assert restored.token_ids == native.token_ids
+    assert restored.logprobs == native.logprobs
+    llm.reset_prefix_cache()
+
+
+def test_load_failing_after_the_hit_is_recomputed(engine, monkeypatch):
+    """Entries vanish between the reported hit and the load (a fault only injection can
+    cause: the lookup holds what it fetched). The worker reports the blocks and vLLM,
+    with kv_load_failure_policy="recompute", recomputes them: still the right answer."""
+    arch, llm = engine
+    if arch != "qwen3":
+        pytest.skip("vLLM takes block-level load errors from single-group models only")
+    side = scheduler_connector(llm).scheduler_side
+    prompt = tokens(700, seed=6)
+    generate(llm, [prompt])
+    native = generate(llm, [prompt])[0]
+    llm.reset_prefix_cache()
+    after_alloc = side.after_alloc
+
+    def vanish(request, blocks, num_external):
+        after_alloc(request, blocks, num_external)
+        for key in side.store.release(request.request_id):
+            side.store.delete(key)
+
+    monkeypatch.setattr(side, "after_alloc", vanish)
+    failed = worker_connector().worker_side.failed_loads
+    restored = generate(llm, [prompt])[0]
+    assert worker_connector().worker_side.failed_loads == failed + 1
     assert restored.token_ids == native.token_ids
     assert restored.logprobs == native.logprobs
     llm.reset_prefix_cache()

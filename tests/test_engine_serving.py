@@ -54,7 +54,12 @@ def test_next_turn_hits_state_at_end_of_previous_turn(model_dirs, engine_factory
 
 @pytest.mark.parametrize(
     ("extra", "key"),
-    [({"cpu_bytez": "1GiB"}, "cpu_bytez"), ({"cpu_bytes": "lots"}, "cpu_bytes")],
+    [
+        ({"cpu_bytez": "1GiB"}, "cpu_bytez"),
+        ({"cpu_bytes": "lots"}, "cpu_bytes"),
+        ({"disk_bytes": "1GiB"}, "disk_bytes"),
+        ({"disk_path": "/dev/null"}, "disk_path"),
+    ],
 )
 def test_bad_config_fails_at_start_naming_the_key(model_dirs, engine_factory, extra, key):
     with pytest.raises(Exception) as info:

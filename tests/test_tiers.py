@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.core.config import HybridKVConfig
+from hybridkv.core.layout import GroupKind, GroupSpec, Layout
 from hybridkv.core.store import TieredStore
 from hybridkv.core.tiers import MemoryTier, TierStats
 
 DTYPES = [torch.int8, torch.bfloat16, torch.float32]
+LAYOUT = Layout("m", (GroupSpec(GroupKind.FULL, 16, 1024, ("l0",)),))
 
 
 def entry(nbytes: int, dtype: torch.dtype = torch.int8, fill: int = 0) -> torch.Tensor:
@@ -197,12 +199,14 @@ def test_tiered_store_falls_through_tiers_in_order():
     assert store.get(key(1)) is b_slow
     assert fast.stats().misses == 1
     assert slow.stats().hits == 1
+    assert fast.contains(key(1))  # a lower-tier hit is copied up
+    assert store.get(key(1)) is b_slow and slow.stats().hits == 1
     assert store.get(key(2)) is None
     assert (fast.stats().misses, slow.stats().misses) == (2, 1)
 
     assert store.contains(key(1)) and not store.contains(key(2))
     assert store.put(key(5), entry(10))
-    assert fast.contains(key(5)) and not slow.contains(key(5))  # puts go to the first tier
+    assert fast.contains(key(5)) and slow.contains(key(5))  # puts write through
     store.delete(key(0))
     assert not fast.contains(key(0)) and not slow.contains(key(0))
     store.clear()
@@ -215,6 +219,6 @@ def test_tiered_store_needs_a_tier():
 
 
 def test_tiered_store_from_config():
-    store = TieredStore.from_config(HybridKVConfig.from_dict({"cpu_bytes": "1KiB"}))
+    store = TieredStore.from_config(HybridKVConfig.from_dict({"cpu_bytes": "1KiB"}), LAYOUT)
     assert not store.put(key(0), entry(1025))
     assert store.put(key(0), entry(1024))

@@ -29,6 +29,7 @@ def make_llm(
     *,
     connector: bool = True,
     kv_cache_bytes: int = 256 << 20,
+    load_failure_policy: str = "recompute",
     max_model_len: int = 4096,
     **kwargs: Any,
 ):
@@ -38,18 +39,35 @@ def make_llm(
     offline_env()
     ktc = None
     if connector:
-        ktc = KVTransferConfig(**CONNECTOR, kv_connector_extra_config=dict(extra_config or {}))
-    return LLM(
-        model=model_dir,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        kv_cache_memory_bytes=kv_cache_bytes,
-        max_model_len=max_model_len,
-        seed=0,
-        kv_transfer_config=ktc,
-        **kwargs,
-    )
+        ktc = KVTransferConfig(
+            **CONNECTOR,
+            kv_connector_extra_config=dict(extra_config or {}),
+            kv_load_failure_policy=load_failure_policy,
+        )
+    try:
+        return LLM(
+            model=model_dir,
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            kv_cache_memory_bytes=kv_cache_bytes,
+            max_model_len=max_model_len,
+            seed=0,
+            kv_transfer_config=ktc,
+            **kwargs,
+        )
+    except BaseException:
+        _release_process_state()  # a failed start must not spoil the next engine's
+        raise
+
+
+def _release_process_state() -> None:
+    """Tear down vLLM's process-wide parallel state, so the next engine in this process
+    builds its own (a MoE model after a dense one would otherwise find no expert-parallel
+    group)."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
 
 
 @dataclass
@@ -78,6 +96,12 @@ def generate(
         lps = [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids, strict=True)]
         result.append(Generation(list(c.token_ids), lps, o.num_cached_tokens or 0))
     return result
+
+
+def shutdown(llm) -> None:
+    """Stop an in-process engine and release vLLM's process-wide state."""
+    llm.llm_engine.engine_core.shutdown()
+    _release_process_state()
 
 
 def scheduler_connector(llm):

@@ -6,6 +6,7 @@ than silently running without a cache.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -67,6 +68,14 @@ class HybridKVConfig:
     # Names the weights in every key. Defaults to the engine's model path; set it when
     # replicas load the same weights from different paths.
     model_id: str | None = None
+    # Local-disk tier under the CPU tier (off unless set); persists across restarts.
+    disk_path: str | None = None
+    disk_bytes: int = 16 * 1024**3
+    # fsync each file before its rename: durability across power loss, not correctness
+    # (a torn file fails its checksum and is a miss).
+    disk_fsync: bool = False
+    # Bytes waiting to be written before further disk stores are dropped (and counted).
+    disk_queue_bytes: int = 256 * 1024**2
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> HybridKVConfig:
@@ -98,4 +107,32 @@ class HybridKVConfig:
             if not isinstance(mid, str) or not mid:
                 raise ConfigError(f"model_id: expected a non-empty string, got {mid!r}")
             kwargs["model_id"] = mid
+        kwargs.update(_disk_settings(raw))
         return cls(**kwargs)
+
+
+_DISK_KEYS = ("disk_bytes", "disk_fsync", "disk_queue_bytes")
+
+
+def _disk_settings(raw: dict[str, Any]) -> dict[str, Any]:
+    path = raw.get("disk_path")
+    if path is None:
+        given = [k for k in _DISK_KEYS if k in raw]
+        if given:
+            raise ConfigError(f"{given[0]}: has no effect without disk_path")
+        return {}
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"disk_path: expected a directory path, got {path!r}")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"disk_path: {path!r} exists and is not a directory")
+    out: dict[str, Any] = {"disk_path": path}
+    for key in ("disk_bytes", "disk_queue_bytes"):
+        if key in raw:
+            out[key] = parse_size(raw[key], key)
+            if out[key] == 0:
+                raise ConfigError(f"{key}: must be more than 0 bytes")
+    if "disk_fsync" in raw:
+        if not isinstance(raw["disk_fsync"], bool):
+            raise ConfigError(f"disk_fsync: expected true or false, got {raw['disk_fsync']!r}")
+        out["disk_fsync"] = raw["disk_fsync"]
+    return out

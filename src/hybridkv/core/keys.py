@@ -61,3 +61,10 @@ def chunk_keys(seed: bytes, tokens: Sequence[int], chunk_tokens: int) -> list[by
 def group_key(chunk_key: bytes, group_id: int) -> bytes:
     """Key of one group's data for one chunk: groups are stored and evicted separately."""
     return chunk_key + group_id.to_bytes(2, "big")
+
+
+def split_group_key(key: bytes) -> tuple[bytes, int]:
+    """(chunk key, group id) of a key made by `group_key`."""
+    if len(key) != KEY_BYTES + 2:
+        raise ValueError(f"a group key has {KEY_BYTES + 2} bytes, got {len(key)}")
+    return key[:KEY_BYTES], int.from_bytes(key[KEY_BYTES:], "big")

@@ -50,6 +50,8 @@ class Layout:
     model: str
     groups: tuple[GroupSpec, ...]
     tp_size: int = 1
+    # Each tensor-parallel rank holds a different slice of the heads.
+    tp_rank: int = 0
     format_version: int = FORMAT_VERSION
 
     def describe(self) -> dict:

@@ -1,4 +1,10 @@
-"""The tiers of one engine, looked through in order (fastest first)."""
+"""The tiers of one engine, looked through in order (fastest first).
+
+Stores write through to every tier (the disk tier queues its write), so what the CPU tier
+evicts, or loses on a restart, is still found below it. An entry found in a lower tier
+is copied into the tiers above it. Entries fetched for a load that is planned but not yet
+run are *held*: no eviction or damage can take them away before the load reads them.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,9 @@ from collections.abc import Sequence
 import torch
 
 from hybridkv.core.config import HybridKVConfig
-from hybridkv.core.tiers.base import Tier
+from hybridkv.core.layout import Layout
+from hybridkv.core.tiers.base import Tier, TierStats
+from hybridkv.core.tiers.disk import DiskTier
 from hybridkv.core.tiers.memory import MemoryTier
 
 
@@ -16,28 +24,67 @@ class TieredStore:
         if not tiers:
             raise ValueError("at least one tier is needed")
         self.tiers = list(tiers)
+        self._held: dict[str, dict[bytes, torch.Tensor]] = {}
 
     @classmethod
-    def from_config(cls, config: HybridKVConfig) -> TieredStore:
-        return cls([MemoryTier(config.cpu_bytes)])
+    def from_config(cls, config: HybridKVConfig, layout: Layout) -> TieredStore:
+        tiers: list[Tier] = [MemoryTier(config.cpu_bytes)]
+        if config.disk_path is not None:
+            tiers.append(
+                DiskTier(
+                    config.disk_path,
+                    layout.fingerprint,
+                    layout.describe(),
+                    config.disk_bytes,
+                    queue_bytes=config.disk_queue_bytes,
+                    fsync=config.disk_fsync,
+                )
+            )
+        return cls(tiers)
 
     def contains(self, key: bytes) -> bool:
         return any(t.contains(key) for t in self.tiers)
 
     def get(self, key: bytes) -> torch.Tensor | None:
-        for tier in self.tiers:
+        for i, tier in enumerate(self.tiers):
             entry = tier.get(key)
             if entry is not None:
+                for upper in self.tiers[:i]:
+                    upper.put(key, entry)
                 return entry
         return None
 
     def put(self, key: bytes, entry: torch.Tensor) -> bool:
-        return self.tiers[0].put(key, entry)
+        """Store in every tier; True if any took it."""
+        stored = [t.put(key, entry) for t in self.tiers]
+        return any(stored)
 
     def delete(self, key: bytes) -> None:
         for t in self.tiers:
             t.delete(key)
 
     def clear(self) -> None:
+        self._held.clear()
         for t in self.tiers:
             t.clear()
+
+    # ---- entries held for planned loads ------------------------------------------------
+    def hold(self, owner: str, entries: dict[bytes, torch.Tensor]) -> None:
+        """Keep `entries` for `owner` (a request) until it takes them; replaces any held."""
+        self._held[owner] = entries
+
+    def release(self, owner: str) -> dict[bytes, torch.Tensor]:
+        return self._held.pop(owner, {})
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def flush(self) -> None:
+        for t in self.tiers:
+            t.flush()
+
+    def close(self) -> None:
+        self._held.clear()
+        for t in self.tiers:
+            t.close()
+
+    def stats(self) -> dict[str, TierStats]:
+        return {t.name: t.stats() for t in self.tiers}

@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hybridkv.core.config import ConfigError, HybridKVConfig
-from hybridkv.core.layout import GroupKind
+from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.planner import Planner
 from hybridkv.core.policy import CheckpointPolicy
 from hybridkv.core.store import TieredStore
@@ -44,12 +44,19 @@ _stores: dict[str, TieredStore] = {}
 _stores_lock = threading.Lock()
 
 
-def _shared_store(engine_id: str, config: HybridKVConfig) -> TieredStore:
+def _shared_store(engine_id: str, config: HybridKVConfig, layout: Layout) -> TieredStore:
     with _stores_lock:
         store = _stores.get(engine_id)
         if store is None:
-            store = _stores[engine_id] = TieredStore.from_config(config)
+            store = _stores[engine_id] = TieredStore.from_config(config, layout)
         return store
+
+
+def _close_store(engine_id: str) -> None:
+    with _stores_lock:
+        store = _stores.pop(engine_id, None)
+    if store is not None:
+        store.close()
 
 
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -92,7 +99,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self.planner.chunk_tokens,
                 state_groups[0].block_tokens,
             )
-        store = _shared_store(ktc.engine_id, self.config)
+        self.engine_id = ktc.engine_id
+        store = _shared_store(self.engine_id, self.config, self.layout)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -172,3 +180,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors()
+
+    # ---- both --------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Finish queued disk writes; the first side to shut down closes the shared store."""
+        _close_store(self.engine_id)

@@ -77,4 +77,5 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: KVCacheConfig, model_id:
         model=model_id,
         groups=tuple(groups),
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        tp_rank=vllm_config.parallel_config.rank,
     )

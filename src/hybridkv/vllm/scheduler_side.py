@@ -13,6 +13,7 @@ from hybridkv.core.store import TieredStore
 from hybridkv.vllm.metadata import HybridKVMetadata, KeyedCopy, RequestLoad, RequestStore
 
 if TYPE_CHECKING:
+    import torch
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -66,24 +67,57 @@ class SchedulerSide:
         tokens = st.request.all_token_ids
         return extend_chain(st.keys, st.seed, tokens[:num_tokens], self.planner.chunk_tokens)
 
-    def _present(self, keys: list[bytes]):
-        def present(g: int, c: int) -> bool:
-            return c < len(keys) and self.store.contains(group_key(keys[c], g))
-
-        return present
-
     def num_new_matched_tokens(self, request: Request, local_tokens: int) -> int:
+        """The hit beyond vLLM's own, with every entry it needs already fetched and held.
+
+        Fetching here, before the hit is reported, is what makes damaged, foreign or
+        vanished entries a plain miss: vLLM cannot take back a reported hit of a model
+        with several KV cache groups (it refuses block-level load errors for them). A
+        failed entry is excluded and the hit rule runs again, so the loop ends.
+        """
+        self.store.release(request.request_id)
         if not self.enabled:
             return 0
         st = self._state(request)
+        st.hit = None
         L = request.num_prompt_tokens
         keys = self._keys(st, L)
-        boundary = self.planner.find_hit(L, local_tokens, self._present(keys))
-        st.hit = (local_tokens, boundary) if boundary > local_tokens else None
-        return boundary - local_tokens if st.hit else 0
+        failed: set[bytes] = set()
+
+        def present(g: int, c: int) -> bool:
+            if c >= len(keys):
+                return False
+            key = group_key(keys[c], g)
+            return key not in failed and self.store.contains(key)
+
+        while (boundary := self.planner.find_hit(L, local_tokens, present)) > local_tokens:
+            entries = self._fetch(keys, local_tokens, boundary, failed)
+            if entries is not None:
+                self.store.hold(request.request_id, entries)
+                st.hit = (local_tokens, boundary)
+                return boundary - local_tokens
+        return 0
+
+    def _fetch(
+        self, keys: list[bytes], local: int, boundary: int, failed: set[bytes]
+    ) -> dict[bytes, torch.Tensor] | None:
+        """Every entry a hit at `boundary` reads, or None after adding a bad one to `failed`."""
+        entries = {}
+        for g in range(len(self.planner.groups)):
+            for c in self.planner.needed_chunks(g, local, boundary):
+                key = group_key(keys[c], g)
+                entry = self.store.get(key)
+                if entry is None or entry.numel() != self.planner.entry_bytes(g):
+                    if entry is not None:
+                        self.store.delete(key)  # cannot be this layout's: never ask again
+                    failed.add(key)
+                    return None
+                entries[key] = entry
+        return entries
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         if num_external == 0:
+            self.store.release(request.request_id)
             return
         st = self._reqs[request.request_id]
         assert st.hit is not None and st.hit[1] - st.hit[0] == num_external, (
@@ -139,6 +173,7 @@ class SchedulerSide:
         """Forget the request. Stores are copied out synchronously within each step, so no
         block is still being read and vLLM may free them at once."""
         self._reqs.pop(request.request_id, None)
+        self.store.release(request.request_id)
         return False
 
     def reset(self) -> None:

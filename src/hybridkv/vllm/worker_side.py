@@ -26,6 +26,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._pending_scatters: list[tuple[torch.Tensor, KeyedCopy]] = []
         self.loaded_blocks = 0
+        self.failed_loads = 0  # requests whose entries were gone at load time
         self.stored_entries = 0
 
     def register(
@@ -49,16 +50,22 @@ class WorkerSide:
         vLLM copies a restored recurrent state out of its boundary block into the
         request's running block before the forward and before `start_load_kv`, so states
         must be in place this early. Attention blocks wait for phase 2: vLLM zeroes newly
-        allocated attention blocks in between. A request with any entry missing loads
-        nothing, and its blocks are reported as failed so vLLM recomputes them.
+        allocated attention blocks in between. Entries come from what the scheduler side
+        fetched and held at lookup; the tiers are asked only if that is gone. A request
+        with any entry missing loads nothing, and its blocks are reported as failed so
+        vLLM recomputes them (vLLM accepts that for single-group models only).
         """
         for job in meta.loads:
-            entries = [self.store.get(kc.key) for kc in job.copies]
+            held = self.store.release(job.req_id)
+            entries = [
+                held[kc.key] if kc.key in held else self.store.get(kc.key) for kc in job.copies
+            ]
             if not all(
                 e is not None and e.numel() == self.planner.entry_bytes(kc.copy.group)
                 for e, kc in zip(entries, job.copies, strict=True)
             ):
                 log.warning("hybridkv: entries for %s vanished before load", job.req_id)
+                self.failed_loads += 1
                 self._load_errors.update(b for kc in job.copies for b in kc.copy.block_ids)
                 continue
             for entry, kc in zip(entries, job.copies, strict=True):

@@ -1,4 +1,4 @@
-"""The storage-tier interface every tier implements (CPU memory now; disk and shared later).
+"""The storage-tier interface every tier implements (CPU memory, local disk; shared later).
 
 An entry is an opaque 1-D int8 tensor named by a key (bytes). Tiers never interpret
 entries; validation of content belongs to tiers that can damage it (disk, network).
@@ -20,7 +20,10 @@ class TierStats:
     hits: int = 0
     misses: int = 0
     puts: int = 0
-    rejected_puts: int = 0
+    rejected_puts: int = 0  # too large for the tier, or the tier cannot store
+    dropped_puts: int = 0  # write queue full: dropped rather than stall the engine
+    write_errors: int = 0
+    corrupt: int = 0  # damaged or foreign entries found, removed and counted as misses
     evictions: int = 0
 
 
@@ -46,3 +49,9 @@ class Tier(ABC):
 
     def clear(self) -> None:  # noqa: B027 - optional
         """Drop every entry (used by `reset_cache`)."""
+
+    def flush(self) -> None:  # noqa: B027 - optional
+        """Wait for writes still queued (tiers that write asynchronously)."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Finish queued writes and stop background work."""

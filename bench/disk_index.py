@@ -1,0 +1,177 @@
+"""How long the disk tier takes to rebuild its index at start, and to answer `contains`.
+
+Writes `--files` entry files of `--entry-bytes` payload each straight through the file
+format (`write_entry`, under the names DiskTier uses, with DiskTier-style fan-out), then:
+
+- constructs a fresh DiskTier on the directory `--repeats` times (scan + index + writability
+  probe + start of the writer threads) and reports min and median, and times `rescan()`
+  (the directory scan and index rebuild alone) in each;
+- times `contains` per call for keys in the index and for absent keys (one `stat` each).
+
+Prints a table and writes JSON (default bench/results/disk_index.json). Entry files that
+already exist with the right size are reused, so a second run on the same --dir is fast.
+
+    .venv/bin/python bench/disk_index.py --files 100000 --entry-bytes 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hybridkv.core.keys import KEY_BYTES, group_key
+from hybridkv.core.tiers.disk import DiskTier
+from hybridkv.core.tiers.entry_file import HEADER_BYTES, write_entry
+
+FINGERPRINT = bytes.fromhex("b3c1d2e4f5a6978899aabbccddeeff00")
+DESCRIPTION = {"bench": "disk_index"}
+
+
+def bench_key(i: int) -> bytes:
+    """Keys spread evenly over the 256 fan-out directories, like real blake3 keys."""
+    chunk = (i * 0x9E3779B97F4A7C15 % (1 << 64)).to_bytes(8, "big") + i.to_bytes(8, "big")
+    assert len(chunk) == KEY_BYTES
+    return group_key(chunk, i % 3)
+
+
+def populate(layout_dir: Path, n: int, entry_bytes: int) -> tuple[int, float]:
+    """Write the entry files that are missing; returns (files written, seconds)."""
+    entry = torch.randint(-128, 128, (entry_bytes,), dtype=torch.int8)
+    size = HEADER_BYTES + entry_bytes
+    for sub in range(256):
+        (layout_dir / f"{sub:02x}").mkdir(parents=True, exist_ok=True)
+    written = 0
+    start = time.perf_counter()
+    for i in range(n):
+        k = bench_key(i)
+        name = k.hex()
+        path = layout_dir / name[:2] / f"{name}.kv"
+        try:
+            if path.stat().st_size == size:
+                continue
+        except FileNotFoundError:
+            pass
+        with open(path, "wb") as f:
+            write_entry(f, FINGERPRINT, k, entry)
+        written += 1
+    return written, time.perf_counter() - start
+
+
+def time_startups(root: Path, repeats: int, expect: int) -> tuple[list[float], list[float]]:
+    """Seconds to construct a DiskTier, and to rescan() in an existing one (the scan alone)."""
+    startups, rescans = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tier = DiskTier(root, FINGERPRINT, DESCRIPTION, 1 << 62)
+        startups.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        tier.rescan()
+        rescans.append(time.perf_counter() - start)
+        entries = tier.stats().entries
+        tier.close()
+        if entries != expect:
+            sys.exit(f"index holds {entries} entries, expected {expect}")
+    return startups, rescans
+
+
+def summary(times: list[float]) -> dict:
+    return {
+        "min": round(min(times), 4),
+        "median": round(statistics.median(times), 4),
+        "all": [round(t, 4) for t in times],
+    }
+
+
+def time_contains(root: Path, n_files: int, calls: int) -> dict[str, float]:
+    """µs per call: keys in the index, and keys with no file (each costs a stat)."""
+    tier = DiskTier(root, FINGERPRINT, DESCRIPTION, 1 << 62)
+    try:
+        present = [bench_key(i * 7919 % n_files) for i in range(calls)]
+        absent = [bench_key(n_files + i) for i in range(calls)]
+        out = {}
+        for name, keys, want in (("present", present, True), ("absent", absent, False)):
+            start = time.perf_counter()
+            found = [tier.contains(k) for k in keys]
+            out[name] = (time.perf_counter() - start) / calls * 1e6
+            if any(f != want for f in found):
+                sys.exit(f"contains() gave a wrong answer for {name} keys")
+        return out
+    finally:
+        tier.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--files", type=int, default=100_000)
+    p.add_argument("--entry-bytes", type=int, default=4096)
+    p.add_argument("--dir", type=Path, default=None, help="default: a new temporary directory")
+    p.add_argument("--repeats", type=int, default=5, help="tier constructions to time")
+    p.add_argument("--calls", type=int, default=20_000, help="contains() calls per kind")
+    p.add_argument("--json", type=Path, default=Path(__file__).parent / "results/disk_index.json")
+    args = p.parse_args()
+
+    root = args.dir or Path(tempfile.mkdtemp(prefix="hybridkv-bench-"))
+    layout_dir = root / FINGERPRINT.hex()
+    try:
+        written, write_s = populate(layout_dir, args.files, args.entry_bytes)
+        # Only our files count, whatever else --dir holds under this fingerprint.
+        on_disk = sum(1 for sub in layout_dir.iterdir() if sub.is_dir() for _ in sub.iterdir())
+        if on_disk != args.files:
+            sys.exit(f"{layout_dir} holds {on_disk} files, expected {args.files}; use a new --dir")
+        startups, rescans = time_startups(root, args.repeats, args.files)
+        contains_us = time_contains(root, args.files, min(args.calls, args.files))
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+    result = {
+        "files": args.files,
+        "entry_bytes": args.entry_bytes,
+        "file_bytes": HEADER_BYTES + args.entry_bytes,
+        "files_written": written,
+        "write_seconds": round(write_s, 3),
+        "startup_seconds": summary(startups),
+        "rescan_seconds": summary(rescans),
+        "startup_us_per_file": round(min(startups) / args.files * 1e6, 3),
+        "contains_us_per_call": {k: round(v, 3) for k, v in contains_us.items()},
+        "dir": str(root),
+        "dir_removed": args.dir is None,
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+        },
+    }
+    rows = [
+        ("files", f"{args.files:,} x {HEADER_BYTES + args.entry_bytes:,} B"),
+        ("populate (written / s)", f"{written:,} / {write_s:.2f} s"),
+        ("startup min", f"{min(startups) * 1e3:.1f} ms"),
+        ("startup median", f"{statistics.median(startups) * 1e3:.1f} ms"),
+        ("startup per file", f"{result['startup_us_per_file']:.2f} µs"),
+        (
+            "rescan min / median",
+            f"{min(rescans) * 1e3:.1f} / {statistics.median(rescans) * 1e3:.1f} ms",
+        ),
+        ("contains, present", f"{contains_us['present']:.2f} µs/call"),
+        ("contains, absent", f"{contains_us['absent']:.2f} µs/call"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
