@@ -23,6 +23,15 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q tests
 
+# Figures for docs/benchmarks.md (not part of `make test`; about ten minutes here).
+bench: setup
+	$(BIN)/python bench/copy_path.py
+	$(BIN)/python bench/lookup.py
+	$(BIN)/python bench/disk_index.py
+	$(BIN)/python bench/ttft.py
+	$(BIN)/python bench/ttft.py --arch gemma3 --json bench/results/ttft-gemma3.json
+	$(BIN)/python bench/overhead.py
+
 lint: setup
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench

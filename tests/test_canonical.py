@@ -200,3 +200,23 @@ def test_views_that_cannot_be_paged_are_rejected():
         canonical_view(as_split[:, 0, :], NB, 64)  # kernel blocks interleaved with others
     with pytest.raises(ValueError, match="contiguous"):
         canonical_view(buf.view(NB, 2, 64)[:, :, 0], NB, 2)
+
+
+@pytest.mark.parametrize("page", [301, 302, 300, 512, 4104])
+def test_round_trip_at_every_copy_width(page):
+    """Pages copy as int64, int32, int16 or int8 rows, whichever the bytes align to."""
+    gen = torch.Generator().manual_seed(page)
+    caches = {
+        f"l{j}": torch.randint(-128, 128, (NB, page), dtype=torch.int8, generator=gen)
+        for j in range(3)
+    }
+    kv = build_canonical(caches, [[(name, page) for name in caches]], NB)
+    src, dst = [7, 2, 9], [1, 11, 4]
+    entry = gather_blocks(kv, 0, src)
+    assert torch.equal(entry.view(3, 3, page), torch.stack([c[src] for c in caches.values()]))
+    before = {name: c.clone() for name, c in caches.items()}
+    scatter_blocks(kv, 0, entry, [0, 1, 2], dst)
+    for name, c in caches.items():
+        expect = before[name].clone()
+        expect[dst] = before[name][src]
+        assert torch.equal(c, expect)

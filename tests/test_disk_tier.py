@@ -836,3 +836,18 @@ def test_uncreatable_root_is_an_unusable_tier(make_tier, tmp_path):
     s = tier.stats()
     assert (s.rejected_puts, s.puts, s.entries, s.hits) == (1, 0, 0, 0)
     assert blocker.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("nbytes", [1000, 3 << 20])  # read in the caller, and in parallel
+def test_get_many_matches_get_and_rejects_damage(make_tier, nbytes):
+    tier = make_tier()
+    items = {key(i): payload(i, nbytes) for i in range(6)}
+    put_all(tier, items)
+    xor_at(entry_path(tier.dir, key(2)), HEADER_BYTES + 7)
+    keys = [*items, key(99)]
+    got = dict(zip(keys, tier.get_many(keys), strict=True))
+    assert got[key(2)] is None and got[key(99)] is None
+    for k, want in items.items():
+        if k != key(2):
+            assert_entry(got[k], want)
+    assert tier.stats().corrupt == 1

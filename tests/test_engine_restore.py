@@ -1,7 +1,8 @@
 """End to end on vLLM's CPU engine: real hybrid architectures restored through hybridkv.
 
-Reference outputs come from vLLM's own prefix cache serving the same prefix, which is
-bit-exact with recomputation on this platform; a restore must match it exactly.
+Reference outputs come from vLLM's own prefix cache serving the same prefix from the same
+KV bytes; a restore must match it exactly. (Recomputing the prefix is not a bit-exact
+reference everywhere: on some CPUs the kernels round differently with the batch shape.)
 """
 
 from __future__ import annotations
@@ -129,8 +130,9 @@ def test_load_failing_after_the_hit_is_recomputed(engine, monkeypatch):
         pytest.skip("vLLM takes block-level load errors from single-group models only")
     side = scheduler_connector(llm).scheduler_side
     prompt = tokens(700, seed=6)
-    generate(llm, [prompt])
-    native = generate(llm, [prompt])[0]
+    # All restored blocks fail, so vLLM recomputes the prompt from its first token: the
+    # same computation as the cold run (a prefix hit rounds differently on some CPUs).
+    cold = generate(llm, [prompt])[0]
     llm.reset_prefix_cache()
     after_alloc = side.after_alloc
 
@@ -143,6 +145,5 @@ def test_load_failing_after_the_hit_is_recomputed(engine, monkeypatch):
     failed = worker_connector().worker_side.failed_loads
     restored = generate(llm, [prompt])[0]
     assert worker_connector().worker_side.failed_loads == failed + 1
-    assert restored.token_ids == native.token_ids
-    assert restored.logprobs == native.logprobs
+    assert (restored.token_ids, restored.logprobs) == (cold.token_ids, cold.logprobs)
     llm.reset_prefix_cache()

@@ -7,13 +7,8 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
 
-from hybridkv.models import ARCHS, SIZES, make_model
-
-
-def _cache_home() -> Path:
-    return Path(os.environ.get("HYBRIDKV_HOME", Path.home() / ".cache" / "hybridkv"))
+from hybridkv.models import ARCHS, SIZES, default_model_dir, make_model
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -27,7 +22,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from hybridkv.engine import generate, make_llm, worker_connector
 
-    model_dir = args.model or str(_cache_home() / "models" / f"{args.arch}-{args.size}")
+    model_dir = args.model or str(default_model_dir(args.arch, args.size))
     print(f"model: {args.arch}/{args.size} at {model_dir}")
     make_model(args.arch, model_dir, size=args.size)
     llm = make_llm(

@@ -7,6 +7,7 @@ architecture, size and seed always give byte-identical weights.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,12 @@ def model_config(arch: str, size: str = "tiny") -> dict[str, Any]:
     cfg = _BUILDERS[arch](size)
     cfg.update(vocab_size=_VOCAB[size], tie_word_embeddings=False, torch_dtype="bfloat16")
     return cfg
+
+
+def default_model_dir(arch: str, size: str) -> Path:
+    """Where the demo and benchmarks keep generated models: $HYBRIDKV_HOME/models/."""
+    home = Path(os.environ.get("HYBRIDKV_HOME", Path.home() / ".cache" / "hybridkv"))
+    return home / "models" / f"{arch}-{size}"
 
 
 def make_model(arch: str, out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:

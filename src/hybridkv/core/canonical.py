@@ -36,9 +36,27 @@ class LayerRef:
 class CanonicalKV:
     tensors: list[torch.Tensor]  # int8 (num_blocks, padded page) views
     groups: list[list[LayerRef]]
+    # Per group, the widest integer (bytes) its pages copy as: torch's row gathers and
+    # scatters move one element at a time, and on int8 `index_copy_` runs at a fifth of
+    # memcpy speed, on int64 near it (bench/copy_path.py).
+    widths: list[int]
 
     def block_bytes(self, g: int) -> int:
         return sum(r.page_bytes for r in self.groups[g])
+
+
+_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def _width(tensors: Sequence[torch.Tensor], refs: Sequence[LayerRef]) -> int:
+    for w in (8, 4, 2):
+        t = [tensors[r.tensor_idx] for r in refs]
+        if all(
+            r.page_bytes % w == 0 and x.stride(0) % w == 0 and x.data_ptr() % w == 0
+            for r, x in zip(refs, t, strict=True)
+        ):
+            return w
+    return 1
 
 
 def canonical_view(t: torch.Tensor, num_blocks: int, page_bytes: int) -> torch.Tensor:
@@ -89,30 +107,36 @@ def build_canonical(
                 tensors[idx] = view  # keep the widest page over an aliased region
             refs.append(LayerRef(name, idx, page))
         groups.append(refs)
-    return CanonicalKV(tensors, groups)
+    return CanonicalKV(tensors, groups, [_width(tensors, refs) for refs in groups])
 
 
 def _ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(block_ids, dtype=torch.long, device=device)
 
 
+def _layers(kv: CanonicalKV, g: int, entry: torch.Tensor, n: int):
+    """(engine rows, entry rows) of each layer of group g, viewed as wide integers."""
+    w = kv.widths[g] if entry.data_ptr() % kv.widths[g] == 0 else 1
+    off = 0
+    for ref in kv.groups[g]:
+        size = n * ref.page_bytes
+        engine = kv.tensors[ref.tensor_idx][:, : ref.page_bytes].view(_INT[w])
+        yield engine, entry[off : off + size].view(_INT[w]).view(n, ref.page_bytes // w)
+        off += size
+
+
 def gather_blocks(kv: CanonicalKV, g: int, block_ids: Sequence[int]) -> torch.Tensor:
     """Copy group g's blocks into a new host entry (1-D int8, layer-major)."""
-    n = len(block_ids)
-    out = torch.empty(n * kv.block_bytes(g), dtype=torch.int8)
+    out = torch.empty(len(block_ids) * kv.block_bytes(g), dtype=torch.int8)
     if not kv.groups[g]:
         return out
     device = kv.tensors[kv.groups[g][0].tensor_idx].device
     idx = _ids(block_ids, device)
-    off = 0
-    for ref in kv.groups[g]:
-        src = kv.tensors[ref.tensor_idx][:, : ref.page_bytes]
-        dst = out[off : off + n * ref.page_bytes].view(n, ref.page_bytes)
+    for engine, rows in _layers(kv, g, out, len(block_ids)):
         if device.type == "cpu":
-            torch.index_select(src, 0, idx, out=dst)
+            torch.index_select(engine, 0, idx, out=rows)
         else:
-            dst.copy_(src.index_select(0, idx))
-        off += n * ref.page_bytes
+            rows.copy_(engine.index_select(0, idx))
     return out
 
 
@@ -131,13 +155,8 @@ def scatter_blocks(
         return
     device = kv.tensors[kv.groups[g][0].tensor_idx].device
     idx = _ids(block_ids, device)
-    whole = list(slots) == list(range(n))
-    sel = None if whole else torch.tensor(slots, dtype=torch.long)
-    off = 0
-    for ref in kv.groups[g]:
-        rows = entry[off : off + n * ref.page_bytes].view(n, ref.page_bytes)
+    sel = None if list(slots) == list(range(n)) else torch.tensor(slots, dtype=torch.long)
+    for engine, rows in _layers(kv, g, entry, n):
         if sel is not None:
             rows = rows.index_select(0, sel)
-        dst = kv.tensors[ref.tensor_idx][:, : ref.page_bytes]
-        dst.index_copy_(0, idx, rows.to(device, non_blocking=True))
-        off += n * ref.page_bytes
+        engine.index_copy_(0, idx, rows.to(device, non_blocking=True))

@@ -46,13 +46,26 @@ class TieredStore:
         return any(t.contains(key) for t in self.tiers)
 
     def get(self, key: bytes) -> torch.Tensor | None:
+        return self.get_many([key]).get(key)
+
+    def get_many(self, keys: Sequence[bytes]) -> dict[bytes, torch.Tensor]:
+        """The entries found, each from the fastest tier holding it; what a lower tier
+        served is copied into the tiers above it."""
+        found: dict[bytes, torch.Tensor] = {}
+        missing = list(keys)
         for i, tier in enumerate(self.tiers):
-            entry = tier.get(key)
-            if entry is not None:
+            if not missing:
+                break
+            still = []
+            for key, entry in zip(missing, tier.get_many(missing), strict=True):
+                if entry is None:
+                    still.append(key)
+                    continue
+                found[key] = entry
                 for upper in self.tiers[:i]:
                     upper.put(key, entry)
-                return entry
-        return None
+            missing = still
+        return found
 
     def put(self, key: bytes, entry: torch.Tensor) -> bool:
         """Store in every tier; True if any took it."""

@@ -101,19 +101,22 @@ class SchedulerSide:
     def _fetch(
         self, keys: list[bytes], local: int, boundary: int, failed: set[bytes]
     ) -> dict[bytes, torch.Tensor] | None:
-        """Every entry a hit at `boundary` reads, or None after adding a bad one to `failed`."""
-        entries = {}
-        for g in range(len(self.planner.groups)):
-            for c in self.planner.needed_chunks(g, local, boundary):
-                key = group_key(keys[c], g)
-                entry = self.store.get(key)
-                if entry is None or entry.numel() != self.planner.entry_bytes(g):
-                    if entry is not None:
-                        self.store.delete(key)  # cannot be this layout's: never ask again
-                    failed.add(key)
-                    return None
-                entries[key] = entry
-        return entries
+        """Every entry a hit at `boundary` reads, or None after adding the bad ones to
+        `failed`. Entries on disk are read in parallel."""
+        wanted = {
+            group_key(keys[c], g): self.planner.entry_bytes(g)
+            for g in range(len(self.planner.groups))
+            for c in self.planner.needed_chunks(g, local, boundary)
+        }
+        entries = self.store.get_many(list(wanted))
+        for key, size in wanted.items():
+            entry = entries.get(key)
+            if entry is not None and entry.numel() != size:
+                self.store.delete(key)  # cannot be this layout's: never ask again
+                entry = None
+            if entry is None:
+                failed.add(key)
+        return None if failed.intersection(wanted) else entries
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         if num_external == 0:

@@ -26,6 +26,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._pending_scatters: list[tuple[torch.Tensor, KeyedCopy]] = []
         self.loaded_blocks = 0
+        self.loaded_bytes = 0  # written into the KV cache by restores
         self.failed_loads = 0  # requests whose entries were gone at load time
         self.stored_entries = 0
 
@@ -84,6 +85,7 @@ class WorkerSide:
         c = kc.copy
         scatter_blocks(self.kv, c.group, entry, c.slots, c.block_ids)
         self.loaded_blocks += len(c.block_ids)
+        self.loaded_bytes += len(c.block_ids) * self.planner.groups[c.group].block_bytes
 
     def _gather(self, kc: KeyedCopy) -> torch.Tensor:
         return gather_blocks(self.kv, kc.copy.group, kc.copy.block_ids)

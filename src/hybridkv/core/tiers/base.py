@@ -7,6 +7,7 @@ entries; validation of content belongs to tiers that can damage it (disk, networ
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,10 @@ class Tier(ABC):
     @abstractmethod
     def get(self, key: bytes) -> torch.Tensor | None:
         """The entry, or None on a miss. Callers must not modify it."""
+
+    def get_many(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
+        """`get` of each key; tiers that can read in parallel override it."""
+        return [self.get(k) for k in keys]
 
     @abstractmethod
     def put(self, key: bytes, entry: torch.Tensor) -> bool:

@@ -22,6 +22,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,8 @@ _TMP_SUFFIX = ".tmp"
 _NAME_CHARS = 2 * (KEY_BYTES + 2)  # hex of a group key
 # A temporary file this old is a leftover whatever process wrote it.
 STALE_TMP_SECONDS = 3600.0
+# Below this many bytes a batch of reads is done in the calling thread.
+_PARALLEL_READ_BYTES = 4 << 20
 # Tiers of this process still running: their temporary files are not leftovers.
 _live_tokens: set[str] = set()
 
@@ -70,6 +74,7 @@ class DiskTier(Tier):
         *,
         queue_bytes: int = 256 << 20,
         writers: int = 2,
+        readers: int = 4,
         fsync: bool = False,
         rescan_seconds: float = 60.0,
     ):
@@ -106,6 +111,8 @@ class DiskTier(Tier):
         for t in self._threads:
             t.start()
         self._closed = False
+        # Reads of one hit run in parallel: file reads and checksums release the GIL.
+        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="hybridkv-read")
         # Daemon writers die with the interpreter: drain the queue first.
         atexit.register(self.close)
 
@@ -258,6 +265,13 @@ class DiskTier(Tier):
             os.utime(path)
         return entry
 
+    def get_many(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
+        with self._lock:
+            known = sum(self._index.get(k, 0) for k in keys)
+        if known < _PARALLEL_READ_BYTES or not self.usable:
+            return [self.get(k) for k in keys]  # handing out small reads costs more
+        return list(self._readers.map(self.get, keys))
+
     def put(self, key: bytes, entry: torch.Tensor) -> bool:
         if entry.dtype != torch.int8 or entry.dim() != 1 or not entry.is_contiguous():
             raise ValueError("a disk entry is a contiguous 1-D int8 tensor")
@@ -322,6 +336,7 @@ class DiskTier(Tier):
             self._queue.put(None)
         for t in self._threads:
             t.join()
+        self._readers.shutdown()
         _live_tokens.discard(self._token)
         atexit.unregister(self.close)
 

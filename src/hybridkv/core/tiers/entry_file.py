@@ -23,6 +23,8 @@ FILE_VERSION = 1
 _HEADER = struct.Struct(f"<8sHHHH16s{KEY_BYTES}sQQ")
 HEADER_BYTES = _HEADER.size
 _CHECKSUMMED = HEADER_BYTES - 8  # the checksum covers every header byte before it
+# Reads go in pieces that stay in the CPU cache until hashed (bench/copy_path.py).
+_READ_PIECE = 256 << 10
 
 
 class EntryFileError(Exception):
@@ -73,12 +75,14 @@ def read_entry(path: str | os.PathLike, fingerprint: bytes, key: bytes) -> torch
             raise EntryFileError("truncated", f"{size} bytes on disk, header says {n} + header")
         out = torch.empty(n, dtype=torch.int8)
         view = memoryview(out.numpy()).cast("B")
+        h = xxhash.xxh3_64(head[:_CHECKSUMMED])
         got = 0
         while got < n:
-            r = f.readinto(view[got:])
+            r = f.readinto(view[got : got + _READ_PIECE])
             if not r:
                 raise EntryFileError("truncated", f"file ended after {got} of {n} bytes")
+            h.update(view[got : got + r])  # while the piece is still in cache
             got += r
-        if _checksum(head, view) != checksum:
+        if h.intdigest() != checksum:
             raise EntryFileError("checksum", "payload or header changed since written")
         return out

@@ -1,0 +1,193 @@
+"""Copy-path throughput against plain copies of the same bytes (issue 4, target 3).
+
+CPU tier: `gather_blocks` (store: engine blocks -> a new host entry) and `scatter_blocks`
+(load: entry -> engine blocks) over random, non-contiguous block ids of a canonical KV
+cache, against `torch` copying the same number of bytes between two preallocated
+contiguous tensors.
+
+Disk tier: `DiskTier.get` (read + verify) of every entry file against a plain sequential
+read of the same files (`readinto` a preallocated buffer), each with the files dropped
+from the page cache first (`posix_fadvise(DONTNEED)`, which needs no privileges; the
+device may still cache) and with them cached.
+
+    .venv/bin/python bench/copy_path.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from hybridkv.core.canonical import build_canonical, gather_blocks, scatter_blocks
+from hybridkv.core.keys import group_key
+from hybridkv.core.tiers.disk import DiskTier
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, run in turn in every round so that drift of a
+    noisy machine hits all of them alike; one warm-up round first."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(repeats + 1):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            if r:
+                times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def cpu_tier(args: argparse.Namespace) -> dict:
+    """Store and load `--entries` entries of `--blocks-per-entry` random blocks each, as the
+    connector does per (group, chunk), against one plain copy of the same total bytes."""
+    page, layers, per = args.page_bytes, args.layers, args.blocks_per_entry
+    blocks = 2 * args.entries * per + 1
+    caches = {
+        f"l{i}": torch.randint(-128, 127, (blocks, page), dtype=torch.int8) for i in range(layers)
+    }
+    kv = build_canonical(caches, [[(n, page) for n in caches]], blocks)
+    order = (torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(0)) + 1).tolist()
+    src = [order[e * per : (e + 1) * per] for e in range(args.entries)]
+    dst = [
+        order[(args.entries + e) * per : (args.entries + e + 1) * per] for e in range(args.entries)
+    ]
+    entries = [gather_blocks(kv, 0, ids) for ids in src]
+    slots = list(range(per))
+    nbytes = args.entries * per * page * layers
+    src_plain = torch.randint(-128, 127, (nbytes,), dtype=torch.int8)
+    dst_plain = torch.empty_like(src_plain)
+
+    def store() -> None:
+        for ids in src:
+            gather_blocks(kv, 0, ids)
+
+    def load() -> None:
+        for entry, ids in zip(entries, dst, strict=True):
+            scatter_blocks(kv, 0, entry, slots, ids)
+
+    t = interleaved(
+        {"plain": lambda: dst_plain.copy_(src_plain), "store": store, "load": load}, args.repeats
+    )
+    t_plain, t_store, t_load = t["plain"], t["store"], t["load"]
+    gib = nbytes / 2**30
+    return {
+        "bytes": nbytes,
+        "entry_bytes": per * page * layers,
+        "plain_copy_gib_s": gib / t_plain,
+        "store_gather_gib_s": gib / t_store,
+        "load_scatter_gib_s": gib / t_load,
+        "store_ratio": t_plain / t_store,
+        "load_ratio": t_plain / t_load,
+        "store_load_ratio": 2 * t_plain / (t_store + t_load),
+    }
+
+
+def _drop_cache(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_tier(args: argparse.Namespace, root: Path) -> dict:
+    fp = bytes(range(16))
+    tier = DiskTier(root, fp, {"bench": "copy_path"}, 1 << 40, queue_bytes=1 << 40)
+    keys = [group_key(i.to_bytes(16, "big"), 0) for i in range(args.files)]
+    entry = torch.randint(-128, 127, (args.file_bytes,), dtype=torch.int8)
+    for k in keys:
+        tier.put(k, entry)
+    tier.flush()
+    paths = [tier.path_of(k) for k in keys]
+    os.sync()
+    buf = torch.empty(max(p.stat().st_size for p in paths), dtype=torch.int8)
+    view = memoryview(buf.numpy())
+
+    def plain() -> None:
+        for p in paths:
+            with open(p, "rb", buffering=0) as f:
+                f.readinto(view)
+
+    def one_by_one() -> None:
+        for k in keys:
+            assert tier.get(k) is not None
+
+    def batched() -> None:  # as a hit reads its entries: `get_many`, in parallel
+        assert all(e is not None for e in tier.get_many(keys))
+
+    out = {"files": args.files, "file_bytes": args.file_bytes}
+    gib = sum(p.stat().st_size for p in paths) / 2**30
+    for label, drop in (("uncached", True), ("cached", False)):
+
+        def cold(fn: Callable[[], None], drop: bool = drop) -> Callable[[], None]:
+            return (lambda: (_drop_cache(paths), fn())) if drop else fn
+
+        fns = {"plain": cold(plain), "get": cold(one_by_one), "get_many": cold(batched)}
+        t = interleaved(fns, args.repeats)
+        out[label] = {f"{name}_gib_s": gib / secs for name, secs in t.items()}
+        out[label] |= {f"{name}_ratio": t["plain"] / t[name] for name in ("get", "get_many")}
+    tier.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--page-bytes", type=int, default=32 << 10)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--blocks-per-entry", type=int, default=16)
+    p.add_argument("--entries", type=int, default=64)
+    p.add_argument("--files", type=int, default=64)
+    p.add_argument("--file-bytes", type=int, default=4 << 20)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--dir", help="directory for the disk files (default: a temporary one)")
+    p.add_argument("--json", type=Path, default=RESULTS / "copy_path.json")
+    args = p.parse_args()
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    cpu = cpu_tier(args)
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="hybridkv-bench-") as d:
+        disk = disk_tier(args, Path(d))
+    print(
+        f"CPU tier: {args.entries} entries of {cpu['entry_bytes'] / 2**20:.1f} MiB, "
+        "random block ids"
+    )
+    print(f"  plain torch copy          {cpu['plain_copy_gib_s']:6.2f} GiB/s")
+    print(
+        f"  store (gather)            {cpu['store_gather_gib_s']:6.2f} GiB/s  "
+        f"{cpu['store_ratio']:.2f}x plain"
+    )
+    print(
+        f"  load (scatter)            {cpu['load_scatter_gib_s']:6.2f} GiB/s  "
+        f"{cpu['load_ratio']:.2f}x plain"
+    )
+    print(f"  store + load              {cpu['store_load_ratio']:.2f}x plain")
+    print(f"disk tier: {disk['files']} files of {disk['file_bytes'] / 2**20:.1f} MiB")
+    for label in ("uncached", "cached"):
+        d = disk[label]
+        print(
+            f"  {label:9} plain sequential read {d['plain_gib_s']:5.2f} GiB/s | get "
+            f"{d['get_gib_s']:5.2f} GiB/s {d['get_ratio']:.2f}x | get_many "
+            f"{d['get_many_gib_s']:5.2f} GiB/s {d['get_many_ratio']:.2f}x"
+        )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(
+        json.dumps(
+            {"cpu_tier": cpu, "disk_tier": disk, "args": vars(args) | {"json": str(args.json)}},
+            indent=2,
+        )
+    )
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
