@@ -1,9 +1,9 @@
 """Copy-path throughput against plain copies of the same bytes (issue 4, target 3).
 
-CPU tier: `gather_blocks` (store: engine blocks -> a new host entry) and `scatter_blocks`
-(load: entry -> engine blocks) over random, non-contiguous block ids of a canonical KV
-cache, against `torch` copying the same number of bytes between two preallocated
-contiguous tensors.
+CPU tier: the worker's `CopyEngine` storing (engine blocks -> new host entries) and
+loading (entries -> engine blocks) over random, non-contiguous block ids of a canonical
+KV cache, one batch of entries per call as in a step, against `torch` copying the same
+number of bytes between two preallocated contiguous tensors.
 
 Disk tier: `DiskTier.get` (read + verify) of every entry file against a plain sequential
 read of the same files (`readinto` a preallocated buffer), each with the files dropped
@@ -18,32 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import RESULTS, interleaved
 
-from hybridkv.core.canonical import build_canonical, gather_blocks, scatter_blocks
+from hybridkv.core.canonical import build_canonical
+from hybridkv.core.copy_engine import CopyEngine
 from hybridkv.core.keys import group_key
+from hybridkv.core.planner import EntryCopy
 from hybridkv.core.tiers.disk import DiskTier
-
-RESULTS = Path(__file__).parent / "results"
-
-
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, run in turn in every round so that drift of a
-    noisy machine hits all of them alike; one warm-up round first."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for r in range(repeats + 1):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            if r:
-                times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def cpu_tier(args: argparse.Namespace) -> dict:
@@ -54,25 +40,25 @@ def cpu_tier(args: argparse.Namespace) -> dict:
     caches = {
         f"l{i}": torch.randint(-128, 127, (blocks, page), dtype=torch.int8) for i in range(layers)
     }
-    kv = build_canonical(caches, [[(n, page) for n in caches]], blocks)
+    engine = CopyEngine(build_canonical(caches, [[(n, page) for n in caches]], blocks))
     order = (torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(0)) + 1).tolist()
-    src = [order[e * per : (e + 1) * per] for e in range(args.entries)]
-    dst = [
-        order[(args.entries + e) * per : (args.entries + e + 1) * per] for e in range(args.entries)
-    ]
-    entries = [gather_blocks(kv, 0, ids) for ids in src]
-    slots = list(range(per))
+    slots = tuple(range(per))
+
+    def copies(first: int) -> list[EntryCopy]:
+        ids = [order[(first + e) * per : (first + e + 1) * per] for e in range(args.entries)]
+        return [EntryCopy(0, e, slots, tuple(b)) for e, b in enumerate(ids)]
+
+    stores, loads = copies(0), copies(args.entries)
+    entries = engine.gather(stores)
     nbytes = args.entries * per * page * layers
     src_plain = torch.randint(-128, 127, (nbytes,), dtype=torch.int8)
     dst_plain = torch.empty_like(src_plain)
 
     def store() -> None:
-        for ids in src:
-            gather_blocks(kv, 0, ids)
+        engine.gather(stores)
 
     def load() -> None:
-        for entry, ids in zip(entries, dst, strict=True):
-            scatter_blocks(kv, 0, entry, slots, ids)
+        engine.scatter(list(zip(loads, entries, strict=True)))
 
     t = interleaved(
         {"plain": lambda: dst_plain.copy_(src_plain), "store": store, "load": load}, args.repeats

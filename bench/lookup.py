@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import RESULTS
 
 from hybridkv.core.keys import chain_seed, chunk_keys, group_key
 from hybridkv.core.layout import GroupKind, GroupSpec, Layout
@@ -31,7 +32,6 @@ from hybridkv.core.store import TieredStore
 from hybridkv.core.tiers.disk import DiskTier
 from hybridkv.core.tiers.memory import MemoryTier
 
-RESULTS = Path(__file__).parent / "results"
 BLOCK = 256
 
 

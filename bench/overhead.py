@@ -21,8 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import RESULTS
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-RESULTS = Path(__file__).parent / "results"
 
 
 def main() -> None:

@@ -29,8 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import RESULTS
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-RESULTS = Path(__file__).parent / "results"
 
 
 def prompts(n: int, length: int) -> list[list[int]]:

@@ -15,7 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.core.canonical import build_canonical, canonical_view, gather_blocks, scatter_blocks
+from hybridkv.core.canonical import CanonicalKV, build_canonical, canonical_view
+from hybridkv.core.copy_engine import CopyEngine
+from hybridkv.core.planner import EntryCopy
 
 NB = 12  # blocks
 BT = 16  # tokens per attention block
@@ -27,6 +29,16 @@ LAYERS = 2  # layers per group
 
 GROUPS = ("full", "sliding", "state")
 PAGE = {"full": STRIDE, "sliding": STRIDE, "state": STATE}
+
+
+def gather(kv: CanonicalKV, g: int, block_ids) -> torch.Tensor:
+    """A new host entry of group g's blocks, through the copy engine the worker uses."""
+    ids = tuple(block_ids)
+    return CopyEngine(kv).gather([EntryCopy(g, 0, tuple(range(len(ids))), ids)])[0]
+
+
+def scatter(kv: CanonicalKV, g: int, entry: torch.Tensor, slots, block_ids) -> None:
+    CopyEngine(kv).scatter([(EntryCopy(g, 0, tuple(slots), tuple(block_ids)), entry)])
 
 
 @dataclass
@@ -97,7 +109,7 @@ def test_gather_then_scatter_round_trips_bit_exactly(data, g, seed):
     free = [b for b in range(NB) if b not in src]
     dst = data.draw(st.permutations(free).map(lambda p: p[:n]), label="dst")
 
-    entry = gather_blocks(kv, g, src)
+    entry = gather(kv, g, src)
     assert entry.dtype == torch.int8 and entry.shape == (n * LAYERS * PAGE[name],)
     # Layer-major: each layer's pages for all blocks, in block order.
     pages = entry.view(LAYERS, n, PAGE[name])
@@ -108,7 +120,7 @@ def test_gather_then_scatter_round_trips_bit_exactly(data, g, seed):
     assert entry.untyped_storage().data_ptr() != cache.buf.untyped_storage().data_ptr()
 
     before = cache.buf.clone()
-    scatter_blocks(kv, g, entry.clone(), range(n), dst)
+    scatter(kv, g, entry.clone(), range(n), dst)
     expect = _expected_after_scatter(cache, name, before, pages, range(n), dst)
     assert torch.equal(cache.buf, expect)  # including the state page's padding bytes
     if name != "state":
@@ -133,7 +145,7 @@ def test_scatter_of_a_slot_subset_writes_only_those_blocks(data, g, seed):
         label="dst",
     )
     before = cache.buf.clone()
-    scatter_blocks(kv, g, entry, slots, dst)
+    scatter(kv, g, entry, slots, dst)
     expect = _expected_after_scatter(
         cache, name, before, entry.view(LAYERS, n, PAGE[name]), slots, dst
     )
@@ -145,7 +157,7 @@ def test_state_scatter_keeps_the_padding_beyond_the_page():
     kv = build_canonical(cache.kv_caches, cache.group_layers, NB)
     before = cache.buf.clone()
     entry = torch.full((LAYERS * STATE,), 42, dtype=torch.int8)
-    scatter_blocks(kv, 2, entry, [0], [5])
+    scatter(kv, 2, entry, [0], [5])
     for j in range(LAYERS):
         assert (cache.page(j, 5, STATE) == 42).all()
         off = j * NB * STRIDE + 5 * STRIDE
@@ -153,7 +165,7 @@ def test_state_scatter_keeps_the_padding_beyond_the_page():
             cache.buf[off + STATE : off + STRIDE], before[off + STATE : off + STRIDE]
         )
     # Gathering a state block reads the unpadded page only.
-    assert torch.equal(gather_blocks(kv, 2, [5]), entry)
+    assert torch.equal(gather(kv, 2, [5]), entry)
 
 
 def test_kernel_split_blocks_view_as_one_page():
@@ -170,10 +182,10 @@ def test_kernel_split_blocks_view_as_one_page():
     kv = build_canonical(split.kv_caches, split.group_layers, NB)
     assert len(kv.tensors) == LAYERS
     ids = [11, 0, 4]
-    assert torch.equal(gather_blocks(kv, 0, ids), gather_blocks(kv, 1, ids))
+    assert torch.equal(gather(kv, 0, ids), gather(kv, 1, ids))
     kv_plain = build_canonical(plain.kv_caches, plain.group_layers, NB)
-    assert torch.equal(gather_blocks(kv, 0, ids), gather_blocks(kv_plain, 0, ids))
-    scatter_blocks(kv, 0, gather_blocks(kv, 0, [1, 2]), [1, 0], [9, 10])
+    assert torch.equal(gather(kv, 0, ids), gather(kv_plain, 0, ids))
+    scatter(kv, 0, gather(kv, 0, [1, 2]), [1, 0], [9, 10])
     assert torch.equal(split.page(0, 9, STRIDE), split.page(0, 2, STRIDE))
     assert torch.equal(split.page(1, 10, STRIDE), split.page(1, 1, STRIDE))
 
@@ -185,7 +197,7 @@ def test_wrong_entry_size_is_rejected():
     for g in range(3):
         bad = torch.zeros(2 * kv.block_bytes(g) + 1, dtype=torch.int8)
         with pytest.raises(ValueError):
-            scatter_blocks(kv, g, bad, [0, 1], [3, 4])
+            scatter(kv, g, bad, [0, 1], [3, 4])
     assert torch.equal(cache.buf, before)
 
 
@@ -212,10 +224,10 @@ def test_round_trip_at_every_copy_width(page):
     }
     kv = build_canonical(caches, [[(name, page) for name in caches]], NB)
     src, dst = [7, 2, 9], [1, 11, 4]
-    entry = gather_blocks(kv, 0, src)
+    entry = gather(kv, 0, src)
     assert torch.equal(entry.view(3, 3, page), torch.stack([c[src] for c in caches.values()]))
     before = {name: c.clone() for name, c in caches.items()}
-    scatter_blocks(kv, 0, entry, [0, 1, 2], dst)
+    scatter(kv, 0, entry, [0, 1, 2], dst)
     for name, c in caches.items():
         expect = before[name].clone()
         expect[dst] = before[name][src]

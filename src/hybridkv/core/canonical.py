@@ -125,19 +125,16 @@ def _layers(kv: CanonicalKV, g: int, entry: torch.Tensor, n: int):
         off += size
 
 
-def gather_blocks(kv: CanonicalKV, g: int, block_ids: Sequence[int]) -> torch.Tensor:
-    """Copy group g's blocks into a new host entry (1-D int8, layer-major)."""
-    out = torch.empty(len(block_ids) * kv.block_bytes(g), dtype=torch.int8)
+def gather_blocks(kv: CanonicalKV, g: int, block_ids: Sequence[int], out: torch.Tensor) -> None:
+    """Copy group g's blocks into `out` (1-D int8, layer-major; on the cache's device or,
+    for a CPU cache, the host)."""
+    if out.numel() != len(block_ids) * kv.block_bytes(g):
+        raise ValueError(f"{out.numel()} bytes cannot hold {len(block_ids)} blocks of group {g}")
     if not kv.groups[g]:
-        return out
-    device = kv.tensors[kv.groups[g][0].tensor_idx].device
-    idx = _ids(block_ids, device)
+        return
+    idx = _ids(block_ids, out.device)
     for engine, rows in _layers(kv, g, out, len(block_ids)):
-        if device.type == "cpu":
-            torch.index_select(engine, 0, idx, out=rows)
-        else:
-            rows.copy_(engine.index_select(0, idx))
-    return out
+        torch.index_select(engine, 0, idx, out=rows)
 
 
 def scatter_blocks(
@@ -147,7 +144,10 @@ def scatter_blocks(
     slots: Sequence[int],
     block_ids: Sequence[int],
 ) -> None:
-    """Write rows `slots` of a stored entry of group g into engine blocks `block_ids`."""
+    """Write rows `slots` of a stored entry of group g into engine blocks `block_ids`.
+
+    The entry may be on the host or on the cache's device (one transfer per layer from
+    the host; the copy engine moves a whole entry over first)."""
     n = entry.numel() // kv.block_bytes(g)
     if n * kv.block_bytes(g) != entry.numel():
         raise ValueError(f"entry of {entry.numel()} bytes is not whole blocks of group {g}")
@@ -155,7 +155,7 @@ def scatter_blocks(
         return
     device = kv.tensors[kv.groups[g][0].tensor_idx].device
     idx = _ids(block_ids, device)
-    sel = None if list(slots) == list(range(n)) else torch.tensor(slots, dtype=torch.long)
+    sel = None if list(slots) == list(range(n)) else _ids(slots, entry.device)
     for engine, rows in _layers(kv, g, entry, n):
         if sel is not None:
             rows = rows.index_select(0, sel)

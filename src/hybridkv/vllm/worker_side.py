@@ -7,11 +7,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from hybridkv.core.canonical import CanonicalKV, build_canonical, gather_blocks, scatter_blocks
+from hybridkv.core.canonical import build_canonical
+from hybridkv.core.copy_engine import CopyEngine
 from hybridkv.core.layout import GroupKind
-from hybridkv.core.planner import Planner
+from hybridkv.core.planner import EntryCopy, Planner
 from hybridkv.core.store import TieredStore
-from hybridkv.vllm.metadata import HybridKVMetadata, KeyedCopy
+from hybridkv.vllm.metadata import HybridKVMetadata
 
 log = logging.getLogger(__name__)
 
@@ -20,11 +21,11 @@ class WorkerSide:
     def __init__(self, planner: Planner, store: TieredStore):
         self.planner = planner
         self.store = store
-        self.kv: CanonicalKV | None = None
+        self.copies: CopyEngine | None = None
         # Keys of the staged (newest decode-time) states each running request inserted.
         self._staged: dict[str, list[bytes]] = {}
         self._load_errors: set[int] = set()
-        self._pending_scatters: list[tuple[torch.Tensor, KeyedCopy]] = []
+        self._pending_scatters: list[tuple[EntryCopy, torch.Tensor]] = []
         self.loaded_blocks = 0
         self.loaded_bytes = 0  # written into the KV cache by restores
         self.failed_loads = 0  # requests whose entries were gone at load time
@@ -36,14 +37,15 @@ class WorkerSide:
         group_layers: Sequence[Sequence[tuple[str, int]]],
         num_blocks: int,
     ) -> None:
-        self.kv = build_canonical(kv_caches, group_layers, num_blocks)
+        kv = build_canonical(kv_caches, group_layers, num_blocks)
         for g in range(len(group_layers)):
             expected = self.planner.groups[g].block_bytes
-            if self.kv.block_bytes(g) != expected:
+            if kv.block_bytes(g) != expected:
                 raise ValueError(
-                    f"group {g}: registered caches hold {self.kv.block_bytes(g)} bytes a block, "
+                    f"group {g}: registered caches hold {kv.block_bytes(g)} bytes a block, "
                     f"the layout says {expected}"
                 )
+        self.copies = CopyEngine(kv)
 
     def fetch_and_restore_states(self, meta: HybridKVMetadata) -> None:
         """Phase 1 of a load, at the very start of the step.
@@ -69,46 +71,50 @@ class WorkerSide:
                 self.failed_loads += 1
                 self._load_errors.update(b for kc in job.copies for b in kc.copy.block_ids)
                 continue
+            states = []
             for entry, kc in zip(entries, job.copies, strict=True):
-                if self.planner.groups[kc.copy.group].kind is GroupKind.STATE:
-                    self._scatter(entry, kc)
-                else:
-                    self._pending_scatters.append((entry, kc))
+                is_state = self.planner.groups[kc.copy.group].kind is GroupKind.STATE
+                (states if is_state else self._pending_scatters).append((kc.copy, entry))
+            self._scatter(states)
 
     def restore_blocks(self) -> None:
         """Phase 2 of a load, just before the forward."""
-        for entry, kc in self._pending_scatters:
-            self._scatter(entry, kc)
-        self._pending_scatters.clear()
+        self._scatter(self._pending_scatters)
+        self._pending_scatters = []
 
-    def _scatter(self, entry: torch.Tensor, kc: KeyedCopy) -> None:
-        c = kc.copy
-        scatter_blocks(self.kv, c.group, entry, c.slots, c.block_ids)
-        self.loaded_blocks += len(c.block_ids)
-        self.loaded_bytes += len(c.block_ids) * self.planner.groups[c.group].block_bytes
-
-    def _gather(self, kc: KeyedCopy) -> torch.Tensor:
-        return gather_blocks(self.kv, kc.copy.group, kc.copy.block_ids)
+    def _scatter(self, loads: list[tuple[EntryCopy, torch.Tensor]]) -> None:
+        self.copies.scatter(loads)
+        for c, _ in loads:
+            self.loaded_blocks += len(c.block_ids)
+            self.loaded_bytes += len(c.block_ids) * self.planner.groups[c.group].block_bytes
 
     def save(self, meta: HybridKVMetadata) -> None:
-        """Copy this step's new chunks out while their blocks are sure to be intact."""
-        for job in meta.stores:
-            for kc in job.copies:
-                if self.store.put(kc.key, self._gather(kc)):
-                    self.stored_entries += 1
-            if job.staged:
-                self._replace_staged(job.req_id, job.staged)
-
-    def _replace_staged(self, req_id: str, staged: list[KeyedCopy]) -> None:
-        """Store a request's newest boundary state and drop the one it staged before, so
-        the state at its last boundary is what survives the request. It is stored at
-        once rather than at request end: the next turn may be looked up before the
-        engine takes another step."""
-        inserted = []
-        for kc in staged:
-            if not self.store.contains(kc.key) and self.store.put(kc.key, self._gather(kc)):
-                inserted.append(kc.key)
+        """Copy this step's new chunks out while their blocks are sure to be intact: every
+        entry of the step in one batch, then into the tiers."""
+        staged = [
+            (job.req_id, kc)
+            for job in meta.stores
+            for kc in job.staged
+            if not self.store.contains(kc.key)
+        ]
+        stores = [kc for job in meta.stores for kc in job.copies]
+        entries = self.copies.gather([kc.copy for kc in stores] + [kc.copy for _, kc in staged])
+        for kc, entry in zip(stores, entries[: len(stores)], strict=True):
+            if self.store.put(kc.key, entry):
                 self.stored_entries += 1
+        inserted: dict[str, list[bytes]] = {job.req_id: [] for job in meta.stores if job.staged}
+        for (req_id, kc), entry in zip(staged, entries[len(stores) :], strict=True):
+            if self.store.put(kc.key, entry):
+                inserted[req_id].append(kc.key)
+                self.stored_entries += 1
+        for req_id, keys in inserted.items():
+            self._replace_staged(req_id, keys)
+
+    def _replace_staged(self, req_id: str, inserted: list[bytes]) -> None:
+        """Drop the state a request staged before its newest one, so the state at its last
+        boundary is what survives the request. The newest is stored at once rather than
+        at request end: the next turn may be looked up before the engine takes another
+        step."""
         for key in self._staged.pop(req_id, ()):
             self.store.delete(key)
         self._staged[req_id] = inserted

@@ -1,0 +1,77 @@
+"""Moves blocks between an engine's KV cache and host entries, on whatever device it is.
+
+The per-layer batched gathers and scatters are in `canonical.py`; this module decides
+where the bytes travel and how the copies are ordered against the engine's own work.
+
+* CPU cache: copies run in the calling thread, straight between cache and entry.
+* CUDA cache: every copy runs on one side stream. It first waits for the compute stream,
+  so it sees what the engine wrote (KV of this step for a store; vLLM's zeroing of newly
+  allocated blocks for a load). A store gathers the blocks into one device buffer and
+  copies that to a pinned host entry (full PCIe speed) before returning, so the tiers
+  only ever hold finished bytes. A load copies the entry to the device and scatters it,
+  then makes the compute stream wait on an event: the CPU never blocks on a load, and
+  the forward that reads the blocks runs after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hybridkv.core.canonical import CanonicalKV, gather_blocks, scatter_blocks
+from hybridkv.core.host_pool import HostPool
+from hybridkv.core.planner import EntryCopy
+
+
+class CopyEngine:
+    def __init__(self, kv: CanonicalKV):
+        self.kv = kv
+        self.device = kv.tensors[0].device if kv.tensors else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.pool = HostPool(pin=True) if self.cuda else None
+
+    def _host(self, nbytes: int) -> torch.Tensor:
+        if self.pool is None:
+            return torch.empty(nbytes, dtype=torch.int8)
+        return self.pool.empty(nbytes)
+
+    def gather(self, copies: Sequence[EntryCopy]) -> list[torch.Tensor]:
+        """One new host entry per copy: its group's blocks `block_ids`, layer-major."""
+        outs = [self._host(len(c.block_ids) * self.kv.block_bytes(c.group)) for c in copies]
+        if not self.cuda:
+            for c, out in zip(copies, outs, strict=True):
+                gather_blocks(self.kv, c.group, c.block_ids, out)
+            return outs
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for c, out in zip(copies, outs, strict=True):
+                staged = torch.empty(out.numel(), dtype=torch.int8, device=self.device)
+                gather_blocks(self.kv, c.group, c.block_ids, staged)
+                out.copy_(staged, non_blocking=True)
+        stream.synchronize()
+        return outs
+
+    def scatter(self, loads: Sequence[tuple[EntryCopy, torch.Tensor]]) -> None:
+        """Write rows `slots` of each entry into engine blocks `block_ids`."""
+        if not self.cuda:
+            for c, entry in loads:
+                scatter_blocks(self.kv, c.group, entry, c.slots, c.block_ids)
+            return
+        if not loads:
+            return
+        stream = self._stream
+        compute = torch.cuda.current_stream(self.device)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            for c, entry in loads:
+                # An entry read from disk is pageable: pin it first (torch keeps the pinned
+                # copy alive until the transfer that reads it is done).
+                host = entry if entry.is_pinned() else entry.pin_memory()
+                on_device = host.to(self.device, non_blocking=True)
+                scatter_blocks(self.kv, c.group, on_device, c.slots, c.block_ids)
+        done = torch.cuda.Event()
+        done.record(stream)
+        compute.wait_event(done)
