@@ -23,7 +23,7 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q tests
 
-# Figures for docs/benchmarks.md (not part of `make test`; about ten minutes here).
+# Figures for docs/benchmarks.md (not part of `make test`; about 20 minutes on a 2-core VM).
 bench: setup
 	$(BIN)/python bench/copy_path.py
 	$(BIN)/python bench/lookup.py

@@ -27,6 +27,7 @@ from common import RESULTS, interleaved
 
 from hybridkv.core.canonical import build_canonical
 from hybridkv.core.copy_engine import CopyEngine
+from hybridkv.core.host_pool import HostPool
 from hybridkv.core.keys import group_key
 from hybridkv.core.planner import EntryCopy
 from hybridkv.core.tiers.disk import DiskTier
@@ -88,7 +89,10 @@ def _drop_cache(paths: list[Path]) -> None:
 
 def disk_tier(args: argparse.Namespace, root: Path) -> dict:
     fp = bytes(range(16))
-    tier = DiskTier(root, fp, {"bench": "copy_path"}, 1 << 40, queue_bytes=1 << 40)
+    pool = HostPool(pin=False)  # reads land in recycled host memory, as in the engine
+    tier = DiskTier(
+        root, fp, {"bench": "copy_path"}, 1 << 40, queue_bytes=1 << 40, alloc=pool.empty
+    )
     keys = [group_key(i.to_bytes(16, "big"), 0) for i in range(args.files)]
     entry = torch.randint(-128, 127, (args.file_bytes,), dtype=torch.int8)
     for k in keys:

@@ -112,7 +112,7 @@ def main() -> None:
     p.add_argument("--size", default="small")
     p.add_argument("--model", help="model directory (default: made under $HYBRIDKV_HOME)")
     p.add_argument("--prompt-tokens", type=int, default=8192)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cpu-bytes", default="4GiB")
     p.add_argument("--kv-cache-bytes", type=int, default=2 << 30)
     p.add_argument("--disk-path", help="disk tier directory (default: a new temporary one)")

@@ -8,6 +8,7 @@ mid-write, a full disk and a read-only one.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -27,6 +28,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hybridkv.core.host_pool import HostPool
 from hybridkv.core.keys import KEY_BYTES, group_key, split_group_key
 from hybridkv.core.tiers.disk import STALE_TMP_SECONDS, DiskTier
 from hybridkv.core.tiers.entry_file import (
@@ -851,3 +853,24 @@ def test_get_many_matches_get_and_rejects_damage(make_tier, nbytes):
         if k != key(2):
             assert_entry(got[k], want)
     assert tier.stats().corrupt == 1
+
+
+def test_reads_land_in_recycled_pool_slots(make_tier):
+    """An engine's disk reads go into its host pool: whole, verified, and a dropped entry's
+    slot serves the next read; damage is still caught after the bytes landed in a slot."""
+    pool = HostPool(pin=False, slab_bytes=1 << 16)
+    tier = make_tier(alloc=pool.empty)
+    items = {key(i): payload(i, 5000) for i in range(4)}
+    put_all(tier, items)
+    first = tier.get(key(0))
+    assert_entry(first, items[key(0)])
+    ptr = first.data_ptr()
+    del first
+    gc.collect()
+    again = tier.get(key(1))
+    assert again.data_ptr() == ptr
+    assert_entry(again, items[key(1)])
+    xor_at(entry_path(tier.dir, key(2)), HEADER_BYTES + 4999)
+    assert tier.get(key(2)) is None and tier.stats().corrupt == 1
+    assert_entry(tier.get(key(3)), items[key(3)])
+    assert pool.slab_count == 1

@@ -219,6 +219,8 @@ def test_tiered_store_needs_a_tier():
 
 
 def test_tiered_store_from_config():
-    store = TieredStore.from_config(HybridKVConfig.from_dict({"cpu_bytes": "1KiB"}), LAYOUT)
+    store = TieredStore.from_config(
+        HybridKVConfig.from_dict({"cpu_bytes": "1KiB"}), LAYOUT, pin=False
+    )
     assert not store.put(key(0), entry(1025))
     assert store.put(key(0), entry(1024))

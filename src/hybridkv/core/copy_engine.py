@@ -25,21 +25,21 @@ from hybridkv.core.planner import EntryCopy
 
 
 class CopyEngine:
-    def __init__(self, kv: CanonicalKV):
+    def __init__(self, kv: CanonicalKV, pool: HostPool | None = None):
         self.kv = kv
         self.device = kv.tensors[0].device if kv.tensors else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
+        self.pool = pool or HostPool(pin=self.cuda)
+        if self.cuda and not self.pool.pin:
+            raise ValueError("a GPU engine's entries need a pinned host pool")
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.pool = HostPool(pin=True) if self.cuda else None
-
-    def _host(self, nbytes: int) -> torch.Tensor:
-        if self.pool is None:
-            return torch.empty(nbytes, dtype=torch.int8)
-        return self.pool.empty(nbytes)
+        # Loads still running on the GPU, with the host entries they read: an entry's
+        # slot must not be reused (a disk read writes from the CPU) before the copy ends.
+        self._inflight: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
 
     def gather(self, copies: Sequence[EntryCopy]) -> list[torch.Tensor]:
         """One new host entry per copy: its group's blocks `block_ids`, layer-major."""
-        outs = [self._host(len(c.block_ids) * self.kv.block_bytes(c.group)) for c in copies]
+        outs = [self.pool.empty(len(c.block_ids) * self.kv.block_bytes(c.group)) for c in copies]
         if not self.cuda:
             for c, out in zip(copies, outs, strict=True):
                 gather_blocks(self.kv, c.group, c.block_ids, out)
@@ -60,6 +60,7 @@ class CopyEngine:
             for c, entry in loads:
                 scatter_blocks(self.kv, c.group, entry, c.slots, c.block_ids)
             return
+        self._inflight = [(ev, held) for ev, held in self._inflight if not ev.query()]
         if not loads:
             return
         stream = self._stream
@@ -75,3 +76,4 @@ class CopyEngine:
         done = torch.cuda.Event()
         done.record(stream)
         compute.wait_event(done)
+        self._inflight.append((done, [entry for _, entry in loads]))

@@ -1,21 +1,21 @@
-"""Pinned host memory for the entries of a GPU engine, carved from large slabs.
+"""Host memory for entries: slabs carved into entry-sized slots, recycled, and pinned
+when the engine's cache is on a GPU.
 
-Copies between a GPU and host memory run at full PCIe speed only from pinned (page-locked)
-memory, and pinning is slow (a driver call per allocation). torch's own pinned allocator
-caches blocks but rounds every request up to a power of two, which would let a CPU tier
-of entries of, say, 36 layers take almost twice its budget. Entries come in a handful of
-sizes (one per KV cache group), so this pool carves each size from large pinned slabs
-and hands out views; a view's slot returns to its size's free list when the last
-reference to the view is gone, whatever held it (a tier, a hit held for a load, a queued
-disk write). Slabs are kept for reuse: the pool grows to the peak of live entries.
+Entries come in a handful of sizes (one per KV cache group), and a full CPU tier evicts
+one for each it stores. Fresh memory for every entry costs a page fault per 4 KiB on
+first touch: a store into new memory ran at a fifth of memcpy speed (bench/copy_path.py),
+and a disk read likewise. So each size is carved from large slabs and a slot is reused
+as soon as its entry is dropped, whatever held it (a tier, a hit held for a load, a
+queued disk write). Slabs are kept: the pool grows to the peak of live entries.
+
+On a GPU engine the slabs are pinned: copies run at full PCIe speed only from pinned
+memory, pinning is slow (a driver call per allocation), and torch's own pinned allocator
+rounds every request up to a power of two, which would let a CPU tier of entries of, say,
+36 layers take almost twice its budget. A slab is sized to a power of two and filled.
 
 The slot follows the tensor object `empty` returned, not views made from it: whoever
 keeps an entry keeps that tensor (tiers hold entries whole; copies view them only while
-they run).
-
-A slot freed while a GPU copy from it is still running is safe as long as every copy
-through the pool runs on one stream (the copy engine's): the next copy into the slot is
-ordered after it on that stream.
+they run, and the copy engine holds an entry until a GPU transfer from it is done).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import weakref
 
 import torch
 
-# A slab holds at least this many entries of its size, and is at least SLAB_BYTES.
+# A size's first slab holds this many entries; each next one twice as many, up to
+# SLAB_BYTES (so sizes seen rarely reserve little).
 _MIN_ENTRIES_PER_SLAB = 8
 SLAB_BYTES = 64 << 20
 
@@ -34,8 +35,10 @@ class HostPool:
     def __init__(self, pin: bool, slab_bytes: int = SLAB_BYTES):
         self.pin = pin
         self.slab_bytes = slab_bytes
-        self._lock = threading.Lock()
+        # Re-entrant: a slot's release may run from a finalizer inside `empty`.
+        self._lock = threading.RLock()
         self._free: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        self._slabs_of: dict[int, int] = {}  # slabs made for each entry size
         self.slab_count = 0
         self.reserved_bytes = 0  # bytes of all slabs
 
@@ -53,8 +56,12 @@ class HostPool:
         return view
 
     def _grow(self, nbytes: int, free: list[tuple[torch.Tensor, int]]) -> None:
+        first = _MIN_ENTRIES_PER_SLAB * nbytes
+        made = self._slabs_of.get(nbytes, 0)
+        self._slabs_of[nbytes] = made + 1
+        want = min(first << made, max(self.slab_bytes, first))
         # torch rounds a pinned allocation up to a power of two: ask for one, and fill it.
-        size = 1 << (max(self.slab_bytes, _MIN_ENTRIES_PER_SLAB * nbytes) - 1).bit_length()
+        size = 1 << (want - 1).bit_length()
         slab = torch.empty(size, dtype=torch.int8, pin_memory=self.pin)
         free.extend((slab, i * nbytes) for i in reversed(range(size // nbytes)))
         self.slab_count += 1

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from hybridkv.core.config import HybridKVConfig
+from hybridkv.core.host_pool import HostPool
 from hybridkv.core.layout import Layout
 from hybridkv.core.tiers.base import Tier, TierStats
 from hybridkv.core.tiers.disk import DiskTier
@@ -20,14 +21,18 @@ from hybridkv.core.tiers.memory import MemoryTier
 
 
 class TieredStore:
-    def __init__(self, tiers: Sequence[Tier]):
+    def __init__(self, tiers: Sequence[Tier], pool: HostPool | None = None):
         if not tiers:
             raise ValueError("at least one tier is needed")
         self.tiers = list(tiers)
+        # Host memory of the entries this engine makes (stores, disk reads).
+        self.pool = pool or HostPool(pin=False)
         self._held: dict[str, dict[bytes, torch.Tensor]] = {}
 
     @classmethod
-    def from_config(cls, config: HybridKVConfig, layout: Layout) -> TieredStore:
+    def from_config(cls, config: HybridKVConfig, layout: Layout, pin: bool) -> TieredStore:
+        """`pin`: the engine's cache is on a GPU, so entries live in pinned memory."""
+        pool = HostPool(pin)
         tiers: list[Tier] = [MemoryTier(config.cpu_bytes)]
         if config.disk_path is not None:
             tiers.append(
@@ -38,9 +43,10 @@ class TieredStore:
                     config.disk_bytes,
                     queue_bytes=config.disk_queue_bytes,
                     fsync=config.disk_fsync,
+                    alloc=pool.empty,
                 )
             )
-        return cls(tiers)
+        return cls(tiers, pool)
 
     def contains(self, key: bytes) -> bool:
         return any(t.contains(key) for t in self.tiers)

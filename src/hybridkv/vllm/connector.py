@@ -44,11 +44,11 @@ _stores: dict[str, TieredStore] = {}
 _stores_lock = threading.Lock()
 
 
-def _shared_store(engine_id: str, config: HybridKVConfig, layout: Layout) -> TieredStore:
+def _shared_store(engine_id: str, config: HybridKVConfig, layout: Layout, pin: bool) -> TieredStore:
     with _stores_lock:
         store = _stores.get(engine_id)
         if store is None:
-            store = _stores[engine_id] = TieredStore.from_config(config, layout)
+            store = _stores[engine_id] = TieredStore.from_config(config, layout, pin)
         return store
 
 
@@ -100,7 +100,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 state_groups[0].block_tokens,
             )
         self.engine_id = ktc.engine_id
-        store = _shared_store(self.engine_id, self.config, self.layout)
+        # A CUDA cache copies to and from pinned host memory (full PCIe speed).
+        pin = vllm_config.device_config.device_type == "cuda"
+        store = _shared_store(self.engine_id, self.config, self.layout, pin)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -45,7 +45,7 @@ class WorkerSide:
                     f"group {g}: registered caches hold {kv.block_bytes(g)} bytes a block, "
                     f"the layout says {expected}"
                 )
-        self.copies = CopyEngine(kv)
+        self.copies = CopyEngine(kv, self.store.pool)
 
     def fetch_and_restore_states(self, meta: HybridKVMetadata) -> None:
         """Phase 1 of a load, at the very start of the step.

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,7 @@ class DiskTier(Tier):
         readers: int = 4,
         fsync: bool = False,
         rescan_seconds: float = 60.0,
+        alloc: Callable[[int], torch.Tensor] | None = None,
     ):
         self.dir = Path(root) / fingerprint.hex()
         self.fingerprint = fingerprint
@@ -84,6 +85,7 @@ class DiskTier(Tier):
         self.queue_bytes = queue_bytes
         self.fsync = fsync
         self.rescan_seconds = rescan_seconds
+        self._read_kwargs = {} if alloc is None else {"alloc": alloc}  # where reads land
         self._host = socket.gethostname().replace(".", "_")
         self._token = uuid.uuid4().hex[:8]
         _live_tokens.add(self._token)
@@ -245,7 +247,7 @@ class DiskTier(Tier):
             return None
         path = self.path_of(key)
         try:
-            entry = read_entry(path, self.fingerprint, key)
+            entry = read_entry(path, self.fingerprint, key, **self._read_kwargs)
         except FileNotFoundError:
             self._forget(key)
             self._count_miss()

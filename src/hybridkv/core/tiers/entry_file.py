@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable
 from typing import BinaryIO
 
 import torch
@@ -53,8 +54,18 @@ def write_entry(f: BinaryIO, fingerprint: bytes, key: bytes, entry: torch.Tensor
     return HEADER_BYTES + len(payload)
 
 
-def read_entry(path: str | os.PathLike, fingerprint: bytes, key: bytes) -> torch.Tensor:
-    """Read and verify one entry; raises EntryFileError (or OSError: missing, I/O)."""
+def _new_entry(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.int8)
+
+
+def read_entry(
+    path: str | os.PathLike,
+    fingerprint: bytes,
+    key: bytes,
+    alloc: Callable[[int], torch.Tensor] = _new_entry,
+) -> torch.Tensor:
+    """Read and verify one entry into `alloc(payload bytes)`; raises EntryFileError (or
+    OSError: missing, I/O)."""
     with open(path, "rb", buffering=0) as f:
         head = f.read(HEADER_BYTES)
         if len(head) < HEADER_BYTES:
@@ -73,7 +84,7 @@ def read_entry(path: str | os.PathLike, fingerprint: bytes, key: bytes) -> torch
         size = os.fstat(f.fileno()).st_size
         if size != HEADER_BYTES + n:
             raise EntryFileError("truncated", f"{size} bytes on disk, header says {n} + header")
-        out = torch.empty(n, dtype=torch.int8)
+        out = alloc(n)
         view = memoryview(out.numpy()).cast("B")
         h = xxhash.xxh3_64(head[:_CHECKSUMMED])
         got = 0
