@@ -37,8 +37,8 @@ class CanonicalKV:
     tensors: list[torch.Tensor]  # int8 (num_blocks, padded page) views
     groups: list[list[LayerRef]]
     # Per group, the widest integer (bytes) its pages copy as: torch's row gathers and
-    # scatters move one element at a time, and on int8 `index_copy_` runs at a fifth of
-    # memcpy speed, on int64 near it (bench/copy_path.py).
+    # scatters move one element at a time, and on int8 `index_copy_` ran three to five
+    # times slower than on int64 (docs/benchmarks.md, copy path).
     widths: list[int]
 
     def block_bytes(self, g: int) -> int:
