@@ -68,8 +68,8 @@ class CopyEngine:
         stream.wait_stream(compute)
         with torch.cuda.stream(stream):
             for c, entry in loads:
-                # An entry read from disk is pageable: pin it first (torch keeps the pinned
-                # copy alive until the transfer that reads it is done).
+                # Entries from the pool are pinned; any other is pinned first (torch keeps
+                # that copy alive until the transfer that reads it is done).
                 host = entry if entry.is_pinned() else entry.pin_memory()
                 on_device = host.to(self.device, non_blocking=True)
                 scatter_blocks(self.kv, c.group, on_device, c.slots, c.block_ids)

@@ -58,6 +58,7 @@ class WorkerSide:
         with any entry missing loads nothing, and its blocks are reported as failed so
         vLLM recomputes them (vLLM accepts that for single-group models only).
         """
+        states: list[tuple[EntryCopy, torch.Tensor]] = []
         for job in meta.loads:
             held = self.store.release(job.req_id)
             entries = [
@@ -71,11 +72,10 @@ class WorkerSide:
                 self.failed_loads += 1
                 self._load_errors.update(b for kc in job.copies for b in kc.copy.block_ids)
                 continue
-            states = []
             for entry, kc in zip(entries, job.copies, strict=True):
                 is_state = self.planner.groups[kc.copy.group].kind is GroupKind.STATE
                 (states if is_state else self._pending_scatters).append((kc.copy, entry))
-            self._scatter(states)
+        self._scatter(states)
 
     def restore_blocks(self) -> None:
         """Phase 2 of a load, just before the forward."""
