@@ -49,8 +49,8 @@ _INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 def _width(tensors: Sequence[torch.Tensor], refs: Sequence[LayerRef]) -> int:
+    t = [tensors[r.tensor_idx] for r in refs]
     for w in (8, 4, 2):
-        t = [tensors[r.tensor_idx] for r in refs]
         if all(
             r.page_bytes % w == 0 and x.stride(0) % w == 0 and x.data_ptr() % w == 0
             for r, x in zip(refs, t, strict=True)

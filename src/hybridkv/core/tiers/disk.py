@@ -35,6 +35,7 @@ from hybridkv.core.tiers.entry_file import (
     FILE_VERSION,
     HEADER_BYTES,
     EntryFileError,
+    new_entry,
     read_entry,
     write_entry,
 )
@@ -85,7 +86,7 @@ class DiskTier(Tier):
         self.queue_bytes = queue_bytes
         self.fsync = fsync
         self.rescan_seconds = rescan_seconds
-        self._read_kwargs = {} if alloc is None else {"alloc": alloc}  # where reads land
+        self._alloc = alloc or new_entry  # where reads land
         self._host = socket.gethostname().replace(".", "_")
         self._token = uuid.uuid4().hex[:8]
         _live_tokens.add(self._token)
@@ -247,7 +248,7 @@ class DiskTier(Tier):
             return None
         path = self.path_of(key)
         try:
-            entry = read_entry(path, self.fingerprint, key, **self._read_kwargs)
+            entry = read_entry(path, self.fingerprint, key, self._alloc)
         except FileNotFoundError:
             self._forget(key)
             self._count_miss()

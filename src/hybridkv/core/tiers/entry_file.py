@@ -54,7 +54,8 @@ def write_entry(f: BinaryIO, fingerprint: bytes, key: bytes, entry: torch.Tensor
     return HEADER_BYTES + len(payload)
 
 
-def _new_entry(nbytes: int) -> torch.Tensor:
+def new_entry(nbytes: int) -> torch.Tensor:
+    """A fresh host entry (the default place a read lands)."""
     return torch.empty(nbytes, dtype=torch.int8)
 
 
@@ -62,7 +63,7 @@ def read_entry(
     path: str | os.PathLike,
     fingerprint: bytes,
     key: bytes,
-    alloc: Callable[[int], torch.Tensor] = _new_entry,
+    alloc: Callable[[int], torch.Tensor] = new_entry,
 ) -> torch.Tensor:
     """Read and verify one entry into `alloc(payload bytes)`; raises EntryFileError (or
     OSError: missing, I/O)."""
