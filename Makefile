@@ -8,7 +8,7 @@ STAMP := $(VENV)/.hybridkv-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py src/hybridkv/_rowcopy.c Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[cpu,dev]'
@@ -38,4 +38,4 @@ lint: setup
 	$(BIN)/ruff format --check src tests bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info src/hybridkv/*.so

@@ -3,7 +3,10 @@
 CPU tier: the worker's `CopyEngine` storing (engine blocks -> new host entries) and
 loading (entries -> engine blocks) over random, non-contiguous block ids of a canonical
 KV cache, one batch of entries per call as in a step, against `torch` copying the same
-number of bytes between two preallocated contiguous tensors.
+number of bytes between two preallocated contiguous tensors. Beside them, in the same
+rounds: the same copies through torch's index kernels (what the GPU path runs, and what
+the CPU path ran before the native row copy), and the native row copy on one thread with
+cached against streamed (non-temporal) stores.
 
 Disk tier: `DiskTier.get` (read + verify) of every entry file against a plain sequential
 read of the same files (`readinto` a preallocated buffer), each with the files dropped
@@ -25,7 +28,8 @@ from pathlib import Path
 import torch
 from common import RESULTS, interleaved
 
-from hybridkv.core.canonical import build_canonical
+from hybridkv import _rowcopy
+from hybridkv.core.canonical import build_canonical, gather_blocks, scatter_blocks
 from hybridkv.core.copy_engine import CopyEngine
 from hybridkv.core.host_pool import HostPool
 from hybridkv.core.keys import group_key
@@ -61,21 +65,32 @@ def cpu_tier(args: argparse.Namespace) -> dict:
     def load() -> None:
         engine.scatter(list(zip(loads, entries, strict=True)))
 
-    t = interleaved(
-        {"plain": lambda: dst_plain.copy_(src_plain), "store": store, "load": load}, args.repeats
-    )
-    t_plain, t_store, t_load = t["plain"], t["store"], t["load"]
-    gib = nbytes / 2**30
-    return {
-        "bytes": nbytes,
-        "entry_bytes": per * page * layers,
-        "plain_copy_gib_s": gib / t_plain,
-        "store_gather_gib_s": gib / t_store,
-        "load_scatter_gib_s": gib / t_load,
-        "store_ratio": t_plain / t_store,
-        "load_ratio": t_plain / t_load,
-        "store_load_ratio": 2 * t_plain / (t_store + t_load),
+    def store_torch() -> None:
+        for c, out in zip(stores, entries, strict=True):
+            gather_blocks(engine.kv, 0, c.block_ids, out)
+
+    def load_torch() -> None:
+        for c, entry in zip(loads, entries, strict=True):
+            scatter_blocks(engine.kv, 0, entry, c.slots, c.block_ids)
+
+    load_table = engine._host_table(loads, entries, to_engine=True)
+    fns = {
+        "plain": lambda: dst_plain.copy_(src_plain),
+        "store": store,
+        "load": load,
+        "store_torch": store_torch,
+        "load_torch": load_torch,
+        "load_1thread_cached": lambda: _rowcopy.copy(load_table, False),
+        "load_1thread_streamed": lambda: _rowcopy.copy(load_table, True),
     }
+    t = interleaved(fns, args.repeats)
+    gib = nbytes / 2**30
+    out = {"bytes": nbytes, "entry_bytes": per * page * layers, "threads": torch.get_num_threads()}
+    out |= {f"{name}_gib_s": gib / secs for name, secs in t.items()}
+    out |= {f"{name}_ratio": t["plain"] / secs for name, secs in t.items() if name != "plain"}
+    for path in ("", "_torch"):
+        out[f"store_load{path}_ratio"] = 2 * t["plain"] / (t[f"store{path}"] + t[f"load{path}"])
+    return out
 
 
 def _drop_cache(paths: list[Path]) -> None:
@@ -151,16 +166,20 @@ def main() -> None:
         f"CPU tier: {args.entries} entries of {cpu['entry_bytes'] / 2**20:.1f} MiB, "
         "random block ids"
     )
-    print(f"  plain torch copy          {cpu['plain_copy_gib_s']:6.2f} GiB/s")
+    print(f"  plain torch copy ({cpu['threads']} threads)  {cpu['plain_gib_s']:6.2f} GiB/s")
+    for name, label in (
+        ("store", "store (gather)"),
+        ("load", "load (scatter)"),
+        ("store_torch", "store, torch index kernels"),
+        ("load_torch", "load, torch index kernels"),
+        ("load_1thread_cached", "load, 1 thread, cached stores"),
+        ("load_1thread_streamed", "load, 1 thread, streamed stores"),
+    ):
+        print(f"  {label:32} {cpu[f'{name}_gib_s']:6.2f} GiB/s  {cpu[f'{name}_ratio']:.2f}x plain")
     print(
-        f"  store (gather)            {cpu['store_gather_gib_s']:6.2f} GiB/s  "
-        f"{cpu['store_ratio']:.2f}x plain"
+        f"  store + load                     {cpu['store_load_ratio']:.2f}x plain "
+        f"(torch index kernels {cpu['store_load_torch_ratio']:.2f}x)"
     )
-    print(
-        f"  load (scatter)            {cpu['load_scatter_gib_s']:6.2f} GiB/s  "
-        f"{cpu['load_ratio']:.2f}x plain"
-    )
-    print(f"  store + load              {cpu['store_load_ratio']:.2f}x plain")
     print(f"disk tier: {disk['files']} files of {disk['file_bytes'] / 2**20:.1f} MiB")
     for label in ("uncached", "cached"):
         d = disk[label]

@@ -3,8 +3,9 @@
 Whatever shape and dtype a layer's cache has (attention `[blocks, heads, tokens, dim]` in
 bf16, a recurrent state packed as int8), the bytes of one block are a fixed-size page at a
 fixed stride. We view every unique backing region as int8 `(num_blocks, page_bytes)` and
-copy whole pages with batched `index_select` / `index_copy_`: no per-block Python loops,
-and the same code for every layer kind.
+copy whole pages, the same way for every layer kind and with no per-block Python loops:
+between host buffers as a table of row copies run natively (`row_table`, `row_copy.py`),
+on a GPU with batched `index_select` / `index_copy_` (`gather_blocks`, `scatter_blocks`).
 
 Engines alias memory: in vLLM every group's layer i overlays the same bytes (a block id
 belongs to one group at a time). Views are deduplicated by (address, block stride) so an
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 
@@ -36,13 +39,17 @@ class LayerRef:
 class CanonicalKV:
     tensors: list[torch.Tensor]  # int8 (num_blocks, padded page) views
     groups: list[list[LayerRef]]
-    # Per group, the widest integer (bytes) its pages copy as: torch's row gathers and
-    # scatters move one element at a time, and on int8 `index_copy_` ran three to five
-    # times slower than on int64 (docs/benchmarks.md, copy path).
+    # Per group, the widest integer (bytes) its pages copy as in torch's index kernels:
+    # they move one element at a time, and on int8 `index_copy_` ran three to five times
+    # slower than on int64 (docs/benchmarks.md, copy path).
     widths: list[int]
 
     def block_bytes(self, g: int) -> int:
         return sum(r.page_bytes for r in self.groups[g])
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tensors[0].shape[0] if self.tensors else 0
 
 
 _INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
@@ -126,8 +133,8 @@ def _layers(kv: CanonicalKV, g: int, entry: torch.Tensor, n: int):
 
 
 def gather_blocks(kv: CanonicalKV, g: int, block_ids: Sequence[int], out: torch.Tensor) -> None:
-    """Copy group g's blocks into `out` (1-D int8, layer-major; on the cache's device or,
-    for a CPU cache, the host)."""
+    """Copy group g's blocks into `out` (1-D int8, layer-major) with torch's index kernels:
+    the copy path on a GPU, where `out` is on the cache's device."""
     if out.numel() != len(block_ids) * kv.block_bytes(g):
         raise ValueError(f"{out.numel()} bytes cannot hold {len(block_ids)} blocks of group {g}")
     if not kv.groups[g]:
@@ -144,10 +151,8 @@ def scatter_blocks(
     slots: Sequence[int],
     block_ids: Sequence[int],
 ) -> None:
-    """Write rows `slots` of a stored entry of group g into engine blocks `block_ids`.
-
-    The entry may be on the host or on the cache's device (one transfer per layer from
-    the host; the copy engine moves a whole entry over first)."""
+    """Write rows `slots` of a stored entry of group g into engine blocks `block_ids` with
+    torch's index kernels (the GPU copy path; the copy engine moves the entry over first)."""
     n = entry.numel() // kv.block_bytes(g)
     if n * kv.block_bytes(g) != entry.numel():
         raise ValueError(f"entry of {entry.numel()} bytes is not whole blocks of group {g}")
@@ -160,3 +165,52 @@ def scatter_blocks(
         if sel is not None:
             rows = rows.index_select(0, sel)
         engine.index_copy_(0, idx, rows.to(device, non_blocking=True))
+
+
+def row_table(
+    kv: CanonicalKV,
+    g: int,
+    entries: Sequence[torch.Tensor],
+    slots: Sequence[Sequence[int]],
+    block_ids: Sequence[Sequence[int]],
+    to_engine: bool,
+) -> np.ndarray:
+    """Copies between host entries of group g and the engine's blocks, as an int64 table
+    of (dst address, src address, bytes) rows for `row_copy.copy_rows`: for entry i, each
+    layer of the group, and each k, entry row `slots[i][k]` and engine block
+    `block_ids[i][k]`. The direction is entry -> engine if `to_engine`, else back.
+
+    The native copy trusts these addresses, so everything torch's index kernels would
+    check is checked here: whole-block host entries, block ids and slots in range.
+    """
+    refs = kv.groups[g]
+    if not refs or not entries:
+        return np.empty((0, 3), dtype=np.int64)
+    bb = kv.block_bytes(g)
+    rows, counts = [], []
+    for e, sl, ids in zip(entries, slots, block_ids, strict=True):
+        n, rest = divmod(e.numel(), bb)
+        if rest or e.dtype != torch.int8 or e.device.type != "cpu" or not e.is_contiguous():
+            raise ValueError(f"entry of {e.numel()} bytes is not whole blocks of group {g}")
+        if len(sl) != len(ids):
+            raise ValueError(f"{len(sl)} slots for {len(ids)} blocks")
+        rows.append(n)
+        counts.append(len(ids))
+    total = sum(counts)
+    ids = np.fromiter(chain.from_iterable(block_ids), np.int64, total)
+    slot = np.fromiter(chain.from_iterable(slots), np.int64, total)
+    n = np.repeat(np.array(rows, dtype=np.int64), counts)
+    if total and (ids.min() < 0 or ids.max() >= kv.num_blocks):
+        raise IndexError(f"block id out of range 0..{kv.num_blocks - 1}")
+    if total and (slot.min() < 0 or (slot >= n).any()):
+        raise IndexError("slot beyond its entry")
+    ptr = np.repeat(np.array([e.data_ptr() for e in entries], dtype=np.int64), counts)
+    # One row per (layer, block): layer-major, as the entry is laid out.
+    views = [kv.tensors[r.tensor_idx] for r in refs]
+    page = np.array([r.page_bytes for r in refs], dtype=np.int64)[:, None]
+    base = np.array([v.data_ptr() for v in views], dtype=np.int64)[:, None]
+    stride = np.array([v.stride(0) for v in views], dtype=np.int64)[:, None]
+    engine = base + ids * stride
+    entry = ptr + n * (np.cumsum(page, axis=0) - page) + slot * page
+    dst, src = (engine, entry) if to_engine else (entry, engine)
+    return np.stack((dst, src, np.broadcast_to(page, engine.shape)), axis=-1).reshape(-1, 3)

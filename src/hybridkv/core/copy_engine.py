@@ -1,9 +1,10 @@
 """Moves blocks between an engine's KV cache and host entries, on whatever device it is.
 
-The per-layer batched gathers and scatters are in `canonical.py`; this module decides
-where the bytes travel and how the copies are ordered against the engine's own work.
+How a block's bytes are addressed is in `canonical.py`; this module decides where the
+bytes travel and how the copies are ordered against the engine's own work.
 
-* CPU cache: copies run in the calling thread, straight between cache and entry.
+* CPU cache: all copies of a call become one table of row copies, run natively across
+  threads (`row_copy.py`) straight between cache and entries, before the call returns.
 * CUDA cache: every copy runs on one side stream. It first waits for the compute stream,
   so it sees what the engine wrote (KV of this step for a store; vLLM's zeroing of newly
   allocated blocks for a load). A store gathers the blocks into one device buffer and
@@ -17,11 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from hybridkv.core.canonical import CanonicalKV, gather_blocks, scatter_blocks
+from hybridkv.core.canonical import CanonicalKV, gather_blocks, row_table, scatter_blocks
 from hybridkv.core.host_pool import HostPool
 from hybridkv.core.planner import EntryCopy
+from hybridkv.core.row_copy import copy_rows
 
 
 class CopyEngine:
@@ -41,8 +44,8 @@ class CopyEngine:
         """One new host entry per copy: its group's blocks `block_ids`, layer-major."""
         outs = [self.pool.empty(len(c.block_ids) * self.kv.block_bytes(c.group)) for c in copies]
         if not self.cuda:
-            for c, out in zip(copies, outs, strict=True):
-                gather_blocks(self.kv, c.group, c.block_ids, out)
+            # A new entry holds its blocks in order: row k is block_ids[k].
+            copy_rows(self._host_table(copies, outs, to_engine=False))
             return outs
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -57,8 +60,7 @@ class CopyEngine:
     def scatter(self, loads: Sequence[tuple[EntryCopy, torch.Tensor]]) -> None:
         """Write rows `slots` of each entry into engine blocks `block_ids`."""
         if not self.cuda:
-            for c, entry in loads:
-                scatter_blocks(self.kv, c.group, entry, c.slots, c.block_ids)
+            copy_rows(self._host_table([c for c, _ in loads], [e for _, e in loads], True))
             return
         self._inflight = [(ev, held) for ev, held in self._inflight if not ev.query()]
         if not loads:
@@ -77,3 +79,15 @@ class CopyEngine:
         done.record(stream)
         compute.wait_event(done)
         self._inflight.append((done, [entry for _, entry in loads]))
+
+    def _host_table(
+        self, copies: Sequence[EntryCopy], entries: Sequence[torch.Tensor], to_engine: bool
+    ) -> np.ndarray:
+        """One row-copy table for all copies; a store's entries take rows in block order."""
+        tables = []
+        for g in sorted({c.group for c in copies}):
+            pairs = [(c, e) for c, e in zip(copies, entries, strict=True) if c.group == g]
+            slots = [c.slots if to_engine else range(len(c.block_ids)) for c, _ in pairs]
+            ids = [c.block_ids for c, _ in pairs]
+            tables.append(row_table(self.kv, g, [e for _, e in pairs], slots, ids, to_engine))
+        return np.concatenate(tables) if tables else np.empty((0, 3), dtype=np.int64)
