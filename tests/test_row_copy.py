@@ -3,6 +3,9 @@ thread or several, with stores cached or streamed."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import pytest
 import torch
@@ -85,3 +88,28 @@ def test_a_malformed_table_is_refused():
     with pytest.raises(ValueError):
         _rowcopy.copy(np.zeros((4, 6), dtype=np.int64)[:, :3], False)  # not contiguous
     assert not buf.any()
+
+
+def test_a_forked_child_copies_on_threads_of_its_own():
+    """vLLM may fork its workers after the parent already copied: the child must not hand
+    work to the parent's threads, which do not exist there."""
+    rows = 2 * row_copy.THREAD_BYTES // 4096
+    src = np.random.default_rng(0).integers(0, 256, (rows, 4096), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    table = _table(
+        src.reshape(-1), dst.reshape(-1), [(i * 4096, i * 4096, 4096) for i in range(rows)]
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        row_copy.copy_rows(table)  # starts the parent's threads
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if the copy completes, killed after 30 s
+            signal.alarm(30)
+            dst[:] = 0
+            row_copy.copy_rows(table)
+            os._exit(0 if np.array_equal(dst, src) else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        torch.set_num_threads(before)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -36,6 +36,16 @@ def _pool() -> ThreadPoolExecutor:
     return _executor
 
 
+def _forget_pool() -> None:
+    """A forked child (vLLM may fork its workers) has none of its parent's threads: work
+    handed to the parent's executor there would never run."""
+    global _executor
+    _executor = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def copy_rows(table: np.ndarray) -> None:
     """Copy every row of an int64 `(n, 3)` table of (dst address, src address, bytes).
 
