@@ -5,7 +5,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+
+from hybridkv.core.canonical import build_canonical
+from hybridkv.core.copy_engine import CopyEngine
+from hybridkv.core.planner import EntryCopy
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -24,3 +31,41 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str,
             if r:
                 times[name].append(time.perf_counter() - t)
     return {name: statistics.median(v) for name, v in times.items()}
+
+
+@dataclass
+class FakeCopies:
+    """A fake KV cache, one `(blocks, page)` int8 tensor per layer as vLLM lays them out,
+    its copy engine, and one step's batch of stores and of loads: `entries` entries of
+    `per` random, non-contiguous blocks each, the loads into blocks the stores left alone.
+    """
+
+    caches: dict[str, torch.Tensor]
+    engine: CopyEngine
+    stores: list[EntryCopy]
+    loads: list[EntryCopy]
+
+    @classmethod
+    def make(
+        cls, page: int, layers: int, per: int, entries: int, device: str = "cpu"
+    ) -> FakeCopies:
+        blocks = 2 * entries * per + 1
+        gen = torch.Generator(device=device).manual_seed(0)
+        caches = {
+            f"l{i}": torch.randint(
+                -128, 127, (blocks, page), dtype=torch.int8, device=device, generator=gen
+            )
+            for i in range(layers)
+        }
+        engine = CopyEngine(build_canonical(caches, [[(n, page) for n in caches]], blocks))
+        order = torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(0)) + 1
+        ids = order.tolist()
+        slots = tuple(range(per))
+
+        def batch(first: int) -> list[EntryCopy]:
+            return [
+                EntryCopy(0, e, slots, tuple(ids[(first + e) * per : (first + e + 1) * per]))
+                for e in range(entries)
+            ]
+
+        return cls(caches, engine, batch(0), batch(entries))

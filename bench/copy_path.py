@@ -26,14 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import RESULTS, interleaved
+from common import RESULTS, FakeCopies, interleaved
 
 from hybridkv import _rowcopy
-from hybridkv.core.canonical import build_canonical, gather_blocks, scatter_blocks
-from hybridkv.core.copy_engine import CopyEngine
+from hybridkv.core.canonical import gather_blocks, row_table, scatter_blocks
 from hybridkv.core.host_pool import HostPool
 from hybridkv.core.keys import group_key
-from hybridkv.core.planner import EntryCopy
 from hybridkv.core.tiers.disk import DiskTier
 
 
@@ -41,19 +39,8 @@ def cpu_tier(args: argparse.Namespace) -> dict:
     """Store and load `--entries` entries of `--blocks-per-entry` random blocks each, as the
     connector does per (group, chunk), against one plain copy of the same total bytes."""
     page, layers, per = args.page_bytes, args.layers, args.blocks_per_entry
-    blocks = 2 * args.entries * per + 1
-    caches = {
-        f"l{i}": torch.randint(-128, 127, (blocks, page), dtype=torch.int8) for i in range(layers)
-    }
-    engine = CopyEngine(build_canonical(caches, [[(n, page) for n in caches]], blocks))
-    order = (torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(0)) + 1).tolist()
-    slots = tuple(range(per))
-
-    def copies(first: int) -> list[EntryCopy]:
-        ids = [order[(first + e) * per : (first + e + 1) * per] for e in range(args.entries)]
-        return [EntryCopy(0, e, slots, tuple(b)) for e, b in enumerate(ids)]
-
-    stores, loads = copies(0), copies(args.entries)
+    fake = FakeCopies.make(page, layers, per, args.entries)
+    engine, stores, loads = fake.engine, fake.stores, fake.loads
     entries = engine.gather(stores)
     nbytes = args.entries * per * page * layers
     src_plain = torch.randint(-128, 127, (nbytes,), dtype=torch.int8)
@@ -73,7 +60,9 @@ def cpu_tier(args: argparse.Namespace) -> dict:
         for c, entry in zip(loads, entries, strict=True):
             scatter_blocks(engine.kv, 0, entry, c.slots, c.block_ids)
 
-    load_table = engine._host_table(loads, entries, to_engine=True)
+    load_table = row_table(
+        engine.kv, 0, entries, [c.slots for c in loads], [c.block_ids for c in loads], True
+    )
     fns = {
         "plain": lambda: dst_plain.copy_(src_plain),
         "store": store,

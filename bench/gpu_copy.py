@@ -1,7 +1,7 @@
 """GPU <-> host through hybridkv's copy path against a pinned-memory torch copy of the same
 bytes (issue 4, target 6). Needs only torch and a CUDA device, not vLLM.
 
-A fake KV cache on the GPU, one `(blocks, page)` tensor per layer as vLLM lays them out;
+A fake KV cache on the GPU (`common.FakeCopies`, as bench/copy_path.py uses on the CPU);
 the worker's `CopyEngine` stores (`gather`: random, non-contiguous blocks -> new pinned host
 entries, device->host) and loads (`scatter`: entries -> other random blocks,
 host->device) `--entries` entries per call, as one step's batch. The reference copies
@@ -20,11 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import RESULTS, interleaved
-
-from hybridkv.core.canonical import build_canonical
-from hybridkv.core.copy_engine import CopyEngine
-from hybridkv.core.planner import EntryCopy
+from common import RESULTS, FakeCopies, interleaved
 
 
 def main() -> None:
@@ -42,21 +38,8 @@ def main() -> None:
 
     dev = torch.device("cuda")
     page, layers, per, n = args.page_bytes, args.layers, args.blocks_per_entry, args.entries
-    blocks = 2 * n * per + 1
-    gen = torch.Generator(device=dev).manual_seed(0)
-    caches = {
-        f"l{i}": torch.randint(
-            -128, 127, (blocks, page), dtype=torch.int8, device=dev, generator=gen
-        )
-        for i in range(layers)
-    }
-    engine = CopyEngine(build_canonical(caches, [[(name, page) for name in caches]], blocks))
-    order = (torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(0)) + 1).tolist()
-    slots = tuple(range(per))
-    stores = [EntryCopy(0, e, slots, tuple(order[e * per : (e + 1) * per])) for e in range(n)]
-    loads = [
-        EntryCopy(0, e, slots, tuple(order[(n + e) * per : (n + e + 1) * per])) for e in range(n)
-    ]
+    fake = FakeCopies.make(page, layers, per, n, device="cuda")
+    caches, engine, stores, loads = fake.caches, fake.engine, fake.stores, fake.loads
     entries = engine.gather(stores)
     assert all(e.is_pinned() for e in entries)
 
