@@ -4,9 +4,9 @@ CPU tier: the worker's `CopyEngine` storing (engine blocks -> new host entries) 
 loading (entries -> engine blocks) over random, non-contiguous block ids of a canonical
 KV cache, one batch of entries per call as in a step, against `torch` copying the same
 number of bytes between two preallocated contiguous tensors. Beside them, in the same
-rounds: the same copies through torch's index kernels (what the GPU path runs, and what
-the CPU path ran before the native row copy), and the native row copy on one thread with
-cached against streamed (non-temporal) stores.
+rounds: the same copies through torch's index kernels (what the CPU path ran before the
+native row copy, and the GPU path before its Triton kernel), and the native row copy on
+one thread with cached against streamed (non-temporal) stores.
 
 Disk tier: `DiskTier.get` (read + verify) of every entry file against a plain sequential
 read of the same files (`readinto` a preallocated buffer), each with the files dropped
@@ -26,10 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import RESULTS, FakeCopies, interleaved
+from common import RESULTS, FakeCopies, interleaved, torch_gather, torch_scatter
 
 from hybridkv import _rowcopy
-from hybridkv.core.canonical import gather_blocks, row_table, scatter_blocks
+from hybridkv.core.canonical import row_table
 from hybridkv.core.host_pool import HostPool
 from hybridkv.core.keys import group_key
 from hybridkv.core.tiers.disk import DiskTier
@@ -54,11 +54,11 @@ def cpu_tier(args: argparse.Namespace) -> dict:
 
     def store_torch() -> None:
         for c, out in zip(stores, entries, strict=True):
-            gather_blocks(engine.kv, 0, c.block_ids, out)
+            torch_gather(engine.kv, 0, list(c.block_ids), out)
 
     def load_torch() -> None:
         for c, entry in zip(loads, entries, strict=True):
-            scatter_blocks(engine.kv, 0, entry, c.slots, c.block_ids)
+            torch_scatter(engine.kv, 0, entry, c.slots, c.block_ids)
 
     load_table = row_table(
         engine.kv, 0, entries, [c.slots for c in loads], [c.block_ids for c in loads], True

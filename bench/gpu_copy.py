@@ -1,13 +1,15 @@
 """GPU <-> host through hybridkv's copy path against a pinned-memory torch copy of the same
-bytes (issue 4, target 6). Needs only torch and a CUDA device, not vLLM.
+bytes (issue 4, target 6). Needs torch, Triton and a CUDA device, not vLLM.
 
 A fake KV cache on the GPU (`common.FakeCopies`, as bench/copy_path.py uses on the CPU);
 the worker's `CopyEngine` stores (`gather`: random, non-contiguous blocks -> new pinned host
 entries, device->host) and loads (`scatter`: entries -> other random blocks,
 host->device) `--entries` entries per call, as one step's batch. The reference copies
 the same number of bytes between one contiguous device tensor and one pinned host
-tensor. Every copy is synchronized before its clock stops. The loaded blocks are checked
-against the stored ones.
+tensor. Beside them, in the same rounds, the path the engine ran before its Triton row
+kernel: per entry, torch index kernels (one launch a layer) into a device staging buffer
+and one pinned copy. Every copy is synchronized before its clock stops. The loaded
+blocks are checked against the stored ones.
 
     python bench/gpu_copy.py            # defaults: 32 layers x 64 KiB pages, 1 GiB a batch
 """
@@ -20,7 +22,10 @@ import sys
 from pathlib import Path
 
 import torch
-from common import RESULTS, FakeCopies, interleaved
+from common import RESULTS, FakeCopies, interleaved, torch_gather, torch_scatter
+
+from hybridkv.core.canonical import row_table
+from hybridkv.core.cuda_rows import copy_rows_cuda
 
 
 def main() -> None:
@@ -62,10 +67,34 @@ def main() -> None:
         engine.scatter(list(zip(loads, entries, strict=True)))
         torch.cuda.synchronize()
 
-    t = interleaved(
-        {"plain_d2h": plain_d2h, "store": store, "plain_h2d": plain_h2d, "load": load},
-        args.repeats,
-    )
+    def store_torch() -> None:
+        for c, out in zip(stores, entries, strict=True):
+            staged = torch.empty(out.numel(), dtype=torch.int8, device=dev)
+            torch_gather(engine.kv, 0, list(c.block_ids), staged)
+            out.copy_(staged, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def load_torch() -> None:
+        for c, entry in zip(loads, entries, strict=True):
+            on_device = entry.to(dev, non_blocking=True)
+            torch_scatter(engine.kv, 0, on_device, c.slots, c.block_ids)
+        torch.cuda.synchronize()
+
+    fns = {"plain_d2h": plain_d2h, "store": store, "store_torch": store_torch}
+    fns |= {"plain_h2d": plain_h2d, "load": load, "load_torch": load_torch}
+    t = interleaved(fns, args.repeats)
+    # The kernel alone, timed on the GPU: what the copies cost beyond the host's work of
+    # building the table and launching (the rest of the gap to the pinned copy).
+    ids = [c.block_ids for c in stores]
+    table = row_table(engine.kv, 0, entries, [range(per)] * n, ids, to_engine=False)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    copy_rows_cuda(table, dev)
+    start.record()
+    for _ in range(args.repeats):
+        copy_rows_cuda(table, dev)
+    end.record()
+    end.synchronize()
+    kernel_s = start.elapsed_time(end) / 1e3 / args.repeats
     for c, s in zip(loads, stores, strict=True):
         for cache in caches.values():
             assert torch.equal(cache[list(c.block_ids)], cache[list(s.block_ids)])
@@ -78,18 +107,25 @@ def main() -> None:
         "gib_s": {name: gib / secs for name, secs in t.items()},
         "store_d2h_ratio": t["plain_d2h"] / t["store"],
         "load_h2d_ratio": t["plain_h2d"] / t["load"],
+        "store_kernel_gib_s": nbytes / 2**30 / kernel_s,
+        "store_torch_d2h_ratio": t["plain_d2h"] / t["store_torch"],
+        "load_torch_h2d_ratio": t["plain_h2d"] / t["load_torch"],
     }
     g = result["gib_s"]
     print(
         f"{result['device']}: {n} entries of {result['entry_bytes'] / 2**20:.1f} MiB "
         f"({layers} layers, random block ids), {gib:.2f} GiB a batch"
     )
-    print(f"{'':14}{'pinned torch copy':>20}{'hybridkv':>12}{'ratio':>8}")
+    print(f"{'':26}{'pinned torch copy':>20}{'copy path':>16}{'ratio':>8}")
     for name, plain, ours, ratio in (
-        ("device->host", "plain_d2h", "store", "store_d2h_ratio"),
-        ("host->device", "plain_h2d", "load", "load_h2d_ratio"),
+        ("store (Triton rows)", "plain_d2h", "store", "store_d2h_ratio"),
+        ("store (torch index)", "plain_d2h", "store_torch", "store_torch_d2h_ratio"),
+        ("load (Triton rows)", "plain_h2d", "load", "load_h2d_ratio"),
+        ("load (torch index)", "plain_h2d", "load_torch", "load_torch_h2d_ratio"),
     ):
-        print(f"{name:14}{g[plain]:14.2f} GiB/s{g[ours]:6.2f} GiB/s{result[ratio]:7.2f}x")
+        print(f"{name:26}{g[plain]:14.2f} GiB/s{g[ours]:10.2f} GiB/s{result[ratio]:7.2f}x")
+    kernel = result["store_kernel_gib_s"]
+    print(f"store kernel alone (GPU time): {kernel:.2f} GiB/s, {kernel / g['plain_d2h']:.2f}x")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result | {"args": vars(args) | {"json": str(args.json)}}))
     print(f"wrote {args.json}")

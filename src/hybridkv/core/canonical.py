@@ -4,8 +4,8 @@ Whatever shape and dtype a layer's cache has (attention `[blocks, heads, tokens,
 bf16, a recurrent state packed as int8), the bytes of one block are a fixed-size page at a
 fixed stride. We view every unique backing region as int8 `(num_blocks, page_bytes)` and
 copy whole pages, the same way for every layer kind and with no per-block Python loops:
-between host buffers as a table of row copies run natively (`row_table`, `row_copy.py`),
-on a GPU with batched `index_select` / `index_copy_` (`gather_blocks`, `scatter_blocks`).
+every copy of a step is one table of row copies (`row_table`), run natively across threads
+on the CPU (`row_copy.py`) and by one Triton kernel on a GPU (`cuda_rows.py`).
 
 Engines alias memory: in vLLM every group's layer i overlays the same bytes (a block id
 belongs to one group at a time). Views are deduplicated by (address, block stride) so an
@@ -39,10 +39,6 @@ class LayerRef:
 class CanonicalKV:
     tensors: list[torch.Tensor]  # int8 (num_blocks, padded page) views
     groups: list[list[LayerRef]]
-    # Per group, the widest integer (bytes) its pages copy as in torch's index kernels:
-    # they move one element at a time, and on int8 `index_copy_` ran three to five times
-    # slower than on int64 (docs/benchmarks.md, copy path).
-    widths: list[int]
 
     def block_bytes(self, g: int) -> int:
         return sum(r.page_bytes for r in self.groups[g])
@@ -50,20 +46,6 @@ class CanonicalKV:
     @property
     def num_blocks(self) -> int:
         return self.tensors[0].shape[0] if self.tensors else 0
-
-
-_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
-
-
-def _width(tensors: Sequence[torch.Tensor], refs: Sequence[LayerRef]) -> int:
-    t = [tensors[r.tensor_idx] for r in refs]
-    for w in (8, 4, 2):
-        if all(
-            r.page_bytes % w == 0 and x.stride(0) % w == 0 and x.data_ptr() % w == 0
-            for r, x in zip(refs, t, strict=True)
-        ):
-            return w
-    return 1
 
 
 def canonical_view(t: torch.Tensor, num_blocks: int, page_bytes: int) -> torch.Tensor:
@@ -114,57 +96,7 @@ def build_canonical(
                 tensors[idx] = view  # keep the widest page over an aliased region
             refs.append(LayerRef(name, idx, page))
         groups.append(refs)
-    return CanonicalKV(tensors, groups, [_width(tensors, refs) for refs in groups])
-
-
-def _ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(block_ids, dtype=torch.long, device=device)
-
-
-def _layers(kv: CanonicalKV, g: int, entry: torch.Tensor, n: int):
-    """(engine rows, entry rows) of each layer of group g, viewed as wide integers."""
-    w = kv.widths[g] if entry.data_ptr() % kv.widths[g] == 0 else 1
-    off = 0
-    for ref in kv.groups[g]:
-        size = n * ref.page_bytes
-        engine = kv.tensors[ref.tensor_idx][:, : ref.page_bytes].view(_INT[w])
-        yield engine, entry[off : off + size].view(_INT[w]).view(n, ref.page_bytes // w)
-        off += size
-
-
-def gather_blocks(kv: CanonicalKV, g: int, block_ids: Sequence[int], out: torch.Tensor) -> None:
-    """Copy group g's blocks into `out` (1-D int8, layer-major) with torch's index kernels:
-    the copy path on a GPU, where `out` is on the cache's device."""
-    if out.numel() != len(block_ids) * kv.block_bytes(g):
-        raise ValueError(f"{out.numel()} bytes cannot hold {len(block_ids)} blocks of group {g}")
-    if not kv.groups[g]:
-        return
-    idx = _ids(block_ids, out.device)
-    for engine, rows in _layers(kv, g, out, len(block_ids)):
-        torch.index_select(engine, 0, idx, out=rows)
-
-
-def scatter_blocks(
-    kv: CanonicalKV,
-    g: int,
-    entry: torch.Tensor,
-    slots: Sequence[int],
-    block_ids: Sequence[int],
-) -> None:
-    """Write rows `slots` of a stored entry of group g into engine blocks `block_ids` with
-    torch's index kernels (the GPU copy path; the copy engine moves the entry over first)."""
-    n = entry.numel() // kv.block_bytes(g)
-    if n * kv.block_bytes(g) != entry.numel():
-        raise ValueError(f"entry of {entry.numel()} bytes is not whole blocks of group {g}")
-    if not kv.groups[g]:
-        return
-    device = kv.tensors[kv.groups[g][0].tensor_idx].device
-    idx = _ids(block_ids, device)
-    sel = None if list(slots) == list(range(n)) else _ids(slots, entry.device)
-    for engine, rows in _layers(kv, g, entry, n):
-        if sel is not None:
-            rows = rows.index_select(0, sel)
-        engine.index_copy_(0, idx, rows.to(device, non_blocking=True))
+    return CanonicalKV(tensors, groups)
 
 
 def row_table(

@@ -5,13 +5,13 @@ bytes travel and how the copies are ordered against the engine's own work.
 
 * CPU cache: all copies of a call become one table of row copies, run natively across
   threads (`row_copy.py`) straight between cache and entries, before the call returns.
-* CUDA cache: every copy runs on one side stream. It first waits for the compute stream,
-  so it sees what the engine wrote (KV of this step for a store; vLLM's zeroing of newly
-  allocated blocks for a load). A store gathers the blocks into one device buffer and
-  copies that to a pinned host entry (full PCIe speed) before returning, so the tiers
-  only ever hold finished bytes. A load copies the entry to the device and scatters it,
-  then makes the compute stream wait on an event: the CPU never blocks on a load, and
-  the forward that reads the blocks runs after it.
+* CUDA cache: the same table, run by one Triton kernel (`cuda_rows.py`) on a side stream
+  straight between device pages and pinned host entries. The stream first waits for the
+  compute stream, so it sees what the engine wrote (KV of this step for a store; vLLM's
+  zeroing of newly allocated blocks for a load). A store returns once its entries are
+  complete, so the tiers only ever hold finished bytes. A load makes the compute stream
+  wait on an event: the CPU never blocks on it, and the forward that reads the blocks
+  runs after it. An entry stays referenced until the copy that reads it has run.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from hybridkv.core.canonical import CanonicalKV, gather_blocks, row_table, scatter_blocks
+from hybridkv.core.canonical import CanonicalKV, row_table
 from hybridkv.core.host_pool import HostPool
 from hybridkv.core.planner import EntryCopy
 from hybridkv.core.row_copy import copy_rows
@@ -36,6 +36,11 @@ class CopyEngine:
         if self.cuda and not self.pool.pin:
             raise ValueError("a GPU engine's entries need a pinned host pool")
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        if self.cuda:
+            # Triton comes with vLLM's GPU builds; CPU engines never import it.
+            from hybridkv.core.cuda_rows import copy_rows_cuda
+
+            self._copy_rows_cuda = copy_rows_cuda
         # Loads still running on the GPU, with the host entries they read: an entry's
         # slot must not be reused (a disk read writes from the CPU) before the copy ends.
         self._inflight: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
@@ -43,17 +48,15 @@ class CopyEngine:
     def gather(self, copies: Sequence[EntryCopy]) -> list[torch.Tensor]:
         """One new host entry per copy: its group's blocks `block_ids`, layer-major."""
         outs = [self.pool.empty(len(c.block_ids) * self.kv.block_bytes(c.group)) for c in copies]
+        # A new entry holds its blocks in order: row k is block_ids[k].
+        table = self._host_table(copies, outs, to_engine=False)
         if not self.cuda:
-            # A new entry holds its blocks in order: row k is block_ids[k].
-            copy_rows(self._host_table(copies, outs, to_engine=False))
+            copy_rows(table)
             return outs
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for c, out in zip(copies, outs, strict=True):
-                staged = torch.empty(out.numel(), dtype=torch.int8, device=self.device)
-                gather_blocks(self.kv, c.group, c.block_ids, staged)
-                out.copy_(staged, non_blocking=True)
+            self._copy_rows_cuda(table, self.device)
         stream.synchronize()
         return outs
 
@@ -65,20 +68,19 @@ class CopyEngine:
         self._inflight = [(ev, held) for ev, held in self._inflight if not ev.query()]
         if not loads:
             return
+        # The kernel reads host entries in place, which the GPU can only do in pinned
+        # memory. Entries from the pool are pinned; any other is pinned as a copy.
+        entries = [e if e.is_pinned() else e.pin_memory() for _, e in loads]
+        table = self._host_table([c for c, _ in loads], entries, to_engine=True)
         stream = self._stream
         compute = torch.cuda.current_stream(self.device)
         stream.wait_stream(compute)
         with torch.cuda.stream(stream):
-            for c, entry in loads:
-                # Entries from the pool are pinned; any other is pinned first (torch keeps
-                # that copy alive until the transfer that reads it is done).
-                host = entry if entry.is_pinned() else entry.pin_memory()
-                on_device = host.to(self.device, non_blocking=True)
-                scatter_blocks(self.kv, c.group, on_device, c.slots, c.block_ids)
+            self._copy_rows_cuda(table, self.device)
         done = torch.cuda.Event()
         done.record(stream)
         compute.wait_event(done)
-        self._inflight.append((done, [entry for _, entry in loads]))
+        self._inflight.append((done, entries))
 
     def _host_table(
         self, copies: Sequence[EntryCopy], entries: Sequence[torch.Tensor], to_engine: bool

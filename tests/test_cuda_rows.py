@@ -1,0 +1,78 @@
+"""The GPU path's Triton row kernel, run on the CPU by Triton's interpreter (CI has no
+GPU): for random batches of stores and loads over every group of the fake cache and pages
+of every word size, it moves exactly the bytes the native host copy moves.
+(`test_copy_engine_cuda.py` runs it on a real GPU.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybridkv.core.cuda_rows import word_bytes
+
+SCRIPT = r"""
+import random, sys
+import numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+from test_canonical import NB, make_cache
+from hybridkv.core.canonical import build_canonical, row_table
+from hybridkv.core.cuda_rows import copy_rows_cuda
+from hybridkv.core.row_copy import copy_rows
+
+cpu = torch.device("cpu")
+for seed in range(int(sys.argv[2])):
+    rng = random.Random(seed)
+    a, b = make_cache(seed), make_cache(seed)
+    kv_a = build_canonical(a.kv_caches, a.group_layers, NB)
+    kv_b = build_canonical(b.kv_caches, b.group_layers, NB)
+    g = rng.randrange(3)
+    n = rng.randint(1, 4)
+    entries = [torch.randint(-128, 128, (n * kv_a.block_bytes(g),), dtype=torch.int8)
+               for _ in range(2)]
+    dst = rng.sample(range(NB), 2 * n)
+    slots = [rng.sample(range(n), n), rng.sample(range(n), n)]
+    ids = [dst[:n], dst[n:]]
+    # load: entries -> blocks; store: blocks -> fresh entries
+    copy_rows(row_table(kv_a, g, entries, slots, ids, True))
+    copy_rows_cuda(row_table(kv_b, g, entries, slots, ids, True), cpu)
+    assert torch.equal(a.buf, b.buf), ("load", seed)
+    src = rng.sample(range(NB), n)
+    outs = [torch.zeros(n * kv_a.block_bytes(g), dtype=torch.int8) for _ in range(2)]
+    copy_rows(row_table(kv_a, g, outs[:1], [range(n)], [src], False))
+    copy_rows_cuda(row_table(kv_b, g, outs[1:], [range(n)], [src], False), cpu)
+    assert torch.equal(outs[0], outs[1]), ("store", seed)
+print("ok")
+"""
+
+
+def test_the_triton_row_kernel_moves_what_the_native_copy_moves():
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    tests = str(Path(__file__).parent)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, tests, "12"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize(
+    ("rows", "word"),
+    [
+        ([[4096, 8192, 512]], 8),
+        ([[4096, 8192, 512], [4100, 8196, 300]], 4),
+        ([[4096, 8192, 302]], 2),
+        ([[4096, 8193, 512]], 1),
+        ([], 8),
+    ],
+)
+def test_the_word_is_the_widest_every_address_and_size_aligns_to(rows, word):
+    assert word_bytes(np.array(rows, dtype=np.int64).reshape(-1, 3)) == word
