@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import blake3
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -189,3 +190,82 @@ def test_group_key_separates_groups_and_chunks(seed, tokens):
     keys = chunk_keys(seed, tokens, 4)
     gkeys = [group_key(k, g) for k in keys for g in (0, 1, 2, 255, 256, 65535)]
     assert len(set(gkeys)) == len(gkeys)
+
+
+# ---- extras: inputs beyond the token ids (LoRA, multimodal items, prompt embeddings) ----
+EXTRA = st.binary(min_size=1, max_size=24)
+
+
+def _extras_at(extras: dict[int, bytes]):
+    """chunk_extras giving `extras[chunk]` (b"" elsewhere), by absolute chunk index."""
+    return lambda first, end, _chunk: [extras.get(c, b"") for c in range(first, end)]
+
+
+def test_chain_seed_wire_format():
+    """Written out independently: a seed without extra is the seed of before extras existed
+    (stored entries keep their keys); an extra is length-framed after the salt."""
+    fp, salt, extra = bytes(range(16)), b"tenant", b"lora-A"
+    plain = blake3.blake3(b"hybridkv/chunk/v1" + fp + struct.pack("<I", 6) + salt)
+    assert chain_seed(fp, "tenant") == chain_seed(fp, "tenant", b"") == plain.digest(KEY_BYTES)
+    framed = plain.copy()
+    framed.update(struct.pack("<Q", len(extra)) + extra)
+    assert chain_seed(fp, "tenant", extra) == framed.digest(KEY_BYTES)
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=SEED, tokens=st.lists(TOKEN, max_size=40), chunk=CHUNK)
+def test_empty_extras_change_no_key(seed, tokens, chunk):
+    assert chunk_keys(seed, tokens, chunk, _extras_at({})) == chunk_keys(seed, tokens, chunk)
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=SEED, tokens=st.lists(TOKEN, min_size=16, max_size=40), chunk=CHUNK, data=st.data())
+def test_a_chunk_extra_changes_exactly_the_keys_from_its_chunk_on(seed, tokens, chunk, data):
+    n = len(tokens) // chunk
+    p = data.draw(st.integers(0, n - 1), label="p")
+    a_extra, b_extra = data.draw(st.lists(EXTRA, min_size=2, max_size=2, unique=True), "x")
+    plain = chunk_keys(seed, tokens, chunk)
+    a = chunk_keys(seed, tokens, chunk, _extras_at({p: a_extra}))
+    b = chunk_keys(seed, tokens, chunk, _extras_at({p: b_extra}))
+    assert a[:p] == b[:p] == plain[:p]
+    assert len(set(a[p:]) | set(b[p:]) | set(plain[p:])) == 3 * (n - p)
+
+
+def test_extras_do_not_alias_each_other_or_tokens():
+    """The same bytes as a seed extra, as a chunk extra, or moved to another chunk, are
+    different inputs; so is an extra whose bytes equal the next chunk's token bytes."""
+    fp, tokens = bytes(16), list(range(8))
+    x = struct.pack("<4I", *tokens[4:])
+    variants = [
+        chunk_keys(chain_seed(fp, None), tokens, 4),
+        chunk_keys(chain_seed(fp, None, x), tokens, 4),
+        chunk_keys(chain_seed(fp, None), tokens, 4, _extras_at({0: x})),
+        chunk_keys(chain_seed(fp, None), tokens, 4, _extras_at({1: x})),
+        chunk_keys(chain_seed(fp, None), tokens[:4], 4, _extras_at({0: x})),
+        chunk_keys(chain_seed(fp, None), tokens, 8),
+    ]
+    last = [v[-1] for v in variants]
+    assert len(set(last)) == len(last)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    seed=SEED,
+    tokens=st.lists(TOKEN, max_size=60),
+    chunk=CHUNK,
+    extras=st.dictionaries(st.integers(0, 60), EXTRA, max_size=6),
+    cuts=st.lists(st.integers(0, 60), max_size=5),
+)
+def test_extend_chain_with_extras_incrementally_equals_all_at_once(
+    seed, tokens, chunk, extras, cuts
+):
+    fn = _extras_at(extras)
+    chain: list[bytes] = []
+    for cut in [*cuts, len(tokens)]:
+        extend_chain(chain, seed, tokens[:cut], chunk, fn)
+    assert chain == chunk_keys(seed, tokens, chunk, fn)
+
+
+def test_chunk_extras_must_cover_every_new_chunk():
+    with pytest.raises(ValueError, match="2 chunk extras for 3 chunks"):
+        chunk_keys(bytes(KEY_BYTES), list(range(12)), 4, lambda f, e, c: [b""] * 2)

@@ -4,26 +4,44 @@ Key i names "the first (i + 1) * chunk_tokens tokens of this prompt, under this 
 salt". The chain makes every key fingerprint its whole prefix, and blake3 over the
 little-endian uint32 token bytes makes keys identical in every process and after a
 restart (no dependence on PYTHONHASHSEED or on vLLM's hash seed).
+
+Token ids do not always say what the model saw: a LoRA adapter changes every position,
+an image's placeholder tokens are the same for every image, prompt embeddings come with
+token ids of 0. Such inputs enter as opaque *extras*, encoded by the engine adapter: a
+request-wide one in the seed, a per-chunk one mixed into the link before the chunk's
+tokens. An empty extra changes nothing, so keys of plain requests (and the entries
+stored under them) are the same as without extras.
 """
 
 from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import blake3
 
 KEY_BYTES = 16
 _DOMAIN = b"hybridkv/chunk/v1"
+# blake3's key-derivation mode is a separate hash function from its default mode, so a
+# link mixed with a chunk extra can only equal a plain chain key by a 128-bit collision.
+_CHUNK_EXTRA_CONTEXT = "hybridkv chunk extra v1"
+
+# (first chunk, end chunk, chunk tokens) -> one extra per chunk in [first, end); b"" = none.
+ChunkExtras = Callable[[int, int, int], Sequence[bytes]]
 
 
-def chain_seed(layout_fingerprint: bytes, cache_salt: str | None) -> bytes:
+def chain_seed(layout_fingerprint: bytes, cache_salt: str | None, extra: bytes = b"") -> bytes:
+    """Root of a request's chain. `extra`: request-wide inputs beyond the tokens (e.g. a
+    LoRA adapter), length-framed after the salt so no two (salt, extra) pairs share a seed."""
     h = blake3.blake3(_DOMAIN)
     h.update(layout_fingerprint)
     salt = (cache_salt or "").encode()
     h.update(len(salt).to_bytes(4, "little"))
     h.update(salt)
+    if extra:
+        h.update(len(extra).to_bytes(8, "little"))
+        h.update(extra)
     return h.digest(KEY_BYTES)
 
 
@@ -34,28 +52,52 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
+def _mix(link: bytes, extra: bytes) -> bytes:
+    """The link to hash a chunk's tokens after, for a chunk with a non-empty extra. `link`
+    has a fixed length, so (link, extra) pairs never share an input."""
+    return blake3.blake3(link + extra, derive_key_context=_CHUNK_EXTRA_CONTEXT).digest(KEY_BYTES)
+
+
 def extend_chain(
-    chain: list[bytes], seed: bytes, tokens: Sequence[int], chunk_tokens: int
+    chain: list[bytes],
+    seed: bytes,
+    tokens: Sequence[int],
+    chunk_tokens: int,
+    chunk_extras: ChunkExtras | None = None,
 ) -> list[bytes]:
-    """Append keys for every full chunk of `tokens` not yet in `chain` (in place)."""
+    """Append keys for every full chunk of `tokens` not yet in `chain` (in place).
+
+    With `chunk_extras`, a chunk with a non-empty extra is keyed blake3(_mix(key i-1,
+    extra) || tokens); every other chunk exactly as without extras.
+    """
     n_full = len(tokens) // chunk_tokens
     if len(chain) >= n_full:
         return chain
     start = len(chain)
     data = _token_bytes(tokens[start * chunk_tokens : n_full * chunk_tokens])
     step = chunk_tokens * 4
+    extras: Sequence[bytes] = ()
+    if chunk_extras is not None:
+        extras = chunk_extras(start, n_full, chunk_tokens)
+        if len(extras) != n_full - start:
+            raise ValueError(f"{len(extras)} chunk extras for {n_full - start} chunks")
     prev = chain[-1] if chain else seed
     for i in range(n_full - start):
-        h = blake3.blake3(prev)
+        h = blake3.blake3(_mix(prev, extras[i]) if extras and extras[i] else prev)
         h.update(data[i * step : (i + 1) * step])
         prev = h.digest(KEY_BYTES)
         chain.append(prev)
     return chain
 
 
-def chunk_keys(seed: bytes, tokens: Sequence[int], chunk_tokens: int) -> list[bytes]:
+def chunk_keys(
+    seed: bytes,
+    tokens: Sequence[int],
+    chunk_tokens: int,
+    chunk_extras: ChunkExtras | None = None,
+) -> list[bytes]:
     """Keys of every full chunk of `tokens`."""
-    return extend_chain([], seed, tokens, chunk_tokens)
+    return extend_chain([], seed, tokens, chunk_tokens, chunk_extras)
 
 
 def group_key(chunk_key: bytes, group_id: int) -> bytes:

@@ -53,12 +53,24 @@ class Layout:
     # Each tensor-parallel rank holds a different slice of the heads.
     tp_rank: int = 0
     format_version: int = FORMAT_VERSION
+    # What else decides the bytes (engine's physical KV layout, dtypes, quantization,
+    # weights...): (name, value) pairs, kept sorted by name; names are unique.
+    identity: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        identity = tuple(sorted(self.identity))
+        if len({name for name, _ in identity}) != len(identity):
+            raise ValueError(f"identity names must be unique: {identity}")
+        object.__setattr__(self, "identity", identity)
 
     def describe(self) -> dict:
         d = asdict(self)
         for g in d["groups"]:
             g["kind"] = GroupKind(g["kind"]).value
             g["layer_names"] = list(g["layer_names"])
+        # Left out when empty: layouts without identity keep their fingerprint.
+        if identity := d.pop("identity"):
+            d["identity"] = dict(identity)
         return d
 
     @property

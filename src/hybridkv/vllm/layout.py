@@ -1,8 +1,10 @@
-"""Translate vLLM's `KVCacheConfig` into hybridkv's engine-agnostic `Layout`."""
+"""Translate vLLM's `KVCacheConfig` and `VllmConfig` into hybridkv's engine-agnostic
+`Layout`: the groups, plus the settings that change the stored bytes (its identity)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from vllm.v1.kv_cache_interface import (
@@ -16,6 +18,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from hybridkv.core.layout import GroupKind, GroupSpec, Layout
+from hybridkv.vllm.checkpoint import checkpoint_fingerprint
 
 
 class UnsupportedLayout(ValueError):
@@ -56,6 +59,45 @@ def group_layer_pages(kv_cache_config: KVCacheConfig) -> list[list[tuple[str, in
     return out
 
 
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def layout_identity(
+    vllm_config: Any, kv_cache_config: KVCacheConfig
+) -> tuple[tuple[str, str], ...]:
+    """The engine settings, besides the groups, that decide what a stored page's bytes mean.
+
+    The physical layout orders a page's heads and tokens; the dtypes and quantization fix
+    the encoding; weights, revision and config overrides fix the values. Tensor-parallel
+    size and rank are `Layout` fields already.
+    """
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    physical = kv_cache_config.kv_cache_layout or cache.kv_cache_layout
+    if physical is None:
+        raise UnsupportedLayout("vLLM has not resolved its KV cache layout yet")
+    overrides = model.hf_overrides
+    if callable(overrides):  # a function edits the HF config: its name is all we know
+        overrides = f"{overrides.__module__}.{overrides.__qualname__}"
+    return (
+        ("kv_cache_layout", physical),
+        ("model_dtype", str(model.dtype)),
+        ("kv_cache_dtype", str(cache.cache_dtype)),
+        ("kv_cache_dtype_skip_layers", _json(sorted(cache.kv_cache_dtype_skip_layers))),
+        ("quantization", _json([model.quantization, model.quantization_config])),
+        ("revision", str(model.revision or "")),
+        ("hf_overrides", _json(overrides)),
+        ("load_format", str(vllm_config.load_config.load_format)),
+        (
+            "weights",
+            checkpoint_fingerprint(
+                model.model, model.revision, vllm_config.load_config.download_dir
+            ),
+        ),
+    )
+
+
 def layout_from_vllm(vllm_config: Any, kv_cache_config: KVCacheConfig, model_id: str) -> Layout:
     groups = []
     for group, pages in zip(
@@ -78,4 +120,5 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: KVCacheConfig, model_id:
         groups=tuple(groups),
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         tp_rank=vllm_config.parallel_config.rank,
+        identity=layout_identity(vllm_config, kv_cache_config),
     )

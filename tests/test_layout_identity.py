@@ -1,0 +1,176 @@
+"""Layout identity: every engine setting that changes a stored page's bytes is in the
+fingerprint, read from a real `VllmConfig` (a tiny local model, no engine started);
+layouts without identity keep the fingerprint they had before identity existed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from vllm.config import CacheConfig, LoadConfig, ModelConfig, VllmConfig
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+from hybridkv.core.layout import GroupKind, GroupSpec, Layout
+from hybridkv.vllm.checkpoint import checkpoint_fingerprint
+from hybridkv.vllm.layout import UnsupportedLayout, layout_from_vllm
+
+GROUPS = (GroupSpec(GroupKind.FULL, 16, 4096, ("model.layers.0.attn",)),)
+IDENTITY = (("kv_cache_dtype", "auto"), ("kv_cache_layout", "LBHNC"), ("weights", "ab12"))
+
+
+def test_layout_without_identity_keeps_its_fingerprint():
+    """The fingerprint of tests/test_keys.py's layout, computed before `identity` existed:
+    disk entries stored then stay readable."""
+    layout = Layout(
+        model="org/model",
+        groups=(
+            GroupSpec(GroupKind.FULL, 16, 4096, ("model.layers.0.attn", "model.layers.2.attn")),
+            GroupSpec(GroupKind.SLIDING, 16, 2048, ("model.layers.1.attn",), window=64),
+            GroupSpec(GroupKind.STATE, 64, 9000, ("model.layers.3.linear_attn",), dtype="bf16"),
+        ),
+        tp_size=2,
+    )
+    assert "identity" not in layout.describe()
+    assert layout.fingerprint.hex() == "d222fd7b4e04665b4ee819bbb1d7ffc1"
+
+
+def test_each_identity_field_changes_the_fingerprint():
+    base = Layout("m", GROUPS, identity=IDENTITY)
+    variants = [Layout("m", GROUPS), Layout("m", GROUPS, identity=IDENTITY[:2])]
+    for i, (name, value) in enumerate(IDENTITY):
+        changed = list(IDENTITY)
+        changed[i] = (name, value + "x")
+        variants.append(Layout("m", GROUPS, identity=tuple(changed)))
+    variants.append(Layout("m", GROUPS, identity=(*IDENTITY, ("revision", "r1"))))
+    fps = [base.fingerprint] + [v.fingerprint for v in variants]
+    assert len(set(fps)) == len(fps)
+    # Order does not matter: pairs are kept sorted.
+    assert Layout("m", GROUPS, identity=IDENTITY[::-1]) == base
+    assert Layout("m", GROUPS, identity=IDENTITY[::-1]).fingerprint == base.fingerprint
+
+
+def test_identity_is_shown_in_layout_json_and_names_are_unique():
+    described = Layout("m", GROUPS, identity=IDENTITY).describe()
+    assert json.loads(json.dumps(described))["identity"] == dict(IDENTITY)
+    with pytest.raises(ValueError, match="unique"):
+        Layout("m", GROUPS, identity=(("a", "1"), ("a", "2")))
+
+
+# ---- read from vLLM's config ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from hybridkv.models import make_model
+
+    return make_model("qwen3", tmp_path_factory.mktemp("models") / "qwen3", size="tiny")
+
+
+def _kv_cache_config(physical: str | None = "LBHNC") -> KVCacheConfig:
+    spec = FullAttentionSpec(16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    return KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+        kv_cache_layout=physical,
+    )
+
+
+def _vllm_config(model: Path, cache: dict | None = None, load: dict | None = None, **kw):
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, **kw),
+        cache_config=CacheConfig(**(cache or {})),
+        load_config=LoadConfig(**(load or {})),
+    )
+
+
+def _identity(vllm_config, kv_cache_config=None) -> dict[str, str]:
+    layout = layout_from_vllm(vllm_config, kv_cache_config or _kv_cache_config(), "m")
+    return dict(layout.identity)
+
+
+def test_identity_read_from_a_real_vllm_config(model_dir):
+    identity = _identity(
+        _vllm_config(
+            model_dir,
+            cache={"cache_dtype": "fp8"},
+            dtype="float32",
+            revision="r1",
+            hf_overrides={"rope_theta": 5e5},
+        )
+    )
+    assert identity["kv_cache_layout"] == "LBHNC"
+    assert identity["model_dtype"] == "torch.float32"
+    assert identity["kv_cache_dtype"] == "fp8"
+    assert identity["revision"] == "r1"
+    assert json.loads(identity["hf_overrides"]) == {"rope_theta": 5e5}
+    assert json.loads(identity["quantization"]) == [None, None]
+    assert identity["load_format"] == "auto"
+    assert identity["weights"] == checkpoint_fingerprint(str(model_dir)) != ""
+
+
+def test_every_identity_setting_changes_the_fingerprint(model_dir, tmp_path):
+    copy = Path(shutil.copytree(model_dir, tmp_path / "copy"))
+    base = _vllm_config(copy)
+
+    def fingerprint(vllm_config, physical: str | None = "LBHNC") -> bytes:
+        return layout_from_vllm(vllm_config, _kv_cache_config(physical), "m").fingerprint
+
+    quantized = _vllm_config(copy)
+    quantized.model_config.quantization = "fp8"  # online fp8 cannot be built on a CPU
+    fps = {
+        "base": fingerprint(base),
+        "layout": fingerprint(base, "LBNHC"),
+        "dtype": fingerprint(_vllm_config(copy, dtype="float32")),
+        "kv_dtype": fingerprint(_vllm_config(copy, cache={"cache_dtype": "fp8"})),
+        "skip_layers": fingerprint(_vllm_config(copy, cache={"kv_cache_dtype_skip_layers": ["0"]})),
+        "quantization": fingerprint(quantized),
+        "revision": fingerprint(_vllm_config(copy, revision="r1")),
+        "hf_overrides": fingerprint(_vllm_config(copy, hf_overrides={"rope_theta": 5e5})),
+        "load_format": fingerprint(_vllm_config(copy, load={"load_format": "dummy"})),
+    }
+    assert fingerprint(_vllm_config(copy)) == fps["base"]  # rebuilt: the same
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # rewritten in place
+    os.utime(weights, ns=(1, 1))
+    fps["weights"] = fingerprint(_vllm_config(copy))
+    assert len(set(fps.values())) == len(fps), fps
+
+
+def test_unresolved_kv_cache_layout_is_refused(model_dir):
+    with pytest.raises(UnsupportedLayout, match="not resolved"):
+        layout_from_vllm(_vllm_config(model_dir), _kv_cache_config(None), "m")
+    # The engine core records it on the cache config too; that one is enough.
+    vllm_config = _vllm_config(model_dir)
+    vllm_config.cache_config.kv_cache_layout = "LBNHC"
+    assert _identity(vllm_config, _kv_cache_config(None))["kv_cache_layout"] == "LBNHC"
+
+
+# ---- checkpoint fingerprints ---------------------------------------------------------------
+def test_checkpoint_fingerprint_follows_weight_and_json_files_only(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 10)
+    (tmp_path / "config.json").write_text("{}")
+    fp = checkpoint_fingerprint(str(tmp_path))
+    assert fp and fp == checkpoint_fingerprint(str(tmp_path))
+    (tmp_path / "README.md").write_text("notes")
+    (tmp_path / "sub").mkdir()
+    assert checkpoint_fingerprint(str(tmp_path)) == fp
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    assert checkpoint_fingerprint(str(tmp_path)) != fp
+    assert checkpoint_fingerprint(str(tmp_path / "model.safetensors")) not in ("", fp)
+
+
+def test_checkpoint_fingerprint_of_a_hub_id_uses_its_cached_snapshot(tmp_path):
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--name"
+    snapshot = repo / "snapshots" / ("c" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").write_bytes(b"w")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c" * 40)
+    fp = checkpoint_fingerprint("org/name", None, str(cache))
+    assert fp == checkpoint_fingerprint(str(snapshot)) != ""
+    assert checkpoint_fingerprint("org/other", None, str(cache)) == ""
+    assert checkpoint_fingerprint("/no/such/dir") == ""
