@@ -66,7 +66,7 @@ def timed(llm, prompt: list[int]) -> tuple[float, int]:
 def loaded_bytes() -> int:
     from hybridkv.engine import worker_connector
 
-    return worker_connector().worker_side.loaded_bytes
+    return worker_connector().worker_side.stats.loaded_bytes
 
 
 def run(args: argparse.Namespace, modes: list[str]) -> dict:

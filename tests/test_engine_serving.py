@@ -65,3 +65,11 @@ def test_bad_config_fails_at_start_naming_the_key(model_dirs, engine_factory, ex
     with pytest.raises(Exception) as info:
         engine_factory(model_dirs["qwen3"], extra)
     assert key in str(info.value)
+
+
+def test_an_executor_in_another_process_is_refused_naming_the_setting(model_dirs, engine_factory):
+    """With TP = 1 but the `mp` executor the two connector sides would live in two
+    processes, each with its own store: refused at start until that layout is built."""
+    with pytest.raises(Exception) as info:
+        engine_factory(model_dirs["qwen3"], distributed_executor_backend="mp")
+    assert "distributed_executor_backend" in str(info.value)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.core.layout import GroupKind, GroupSpec
-from hybridkv.core.planner import NULL_BLOCK, PlanError, Planner, choose_chunk_tokens
+from hybridkv.core.planner import NULL_BLOCK, EntryCopy, PlanError, Planner, choose_chunk_tokens
 
 FULL, SLIDING, STATE = GroupKind.FULL, GroupKind.SLIDING, GroupKind.STATE
 
@@ -134,17 +134,12 @@ def test_store_plan_covers_every_block_exactly_once(p, n_chunks, data):
     ids = data.draw(unique_ids(p, n_chunks), label="ids")
     lo = data.draw(st.integers(0, n_chunks), label="lo")
     hi = data.draw(st.integers(lo, n_chunks), label="hi")
-    boundaries = data.draw(
-        st.lists(st.sampled_from(range(C, n_chunks * C + 1, C)), unique=True), label="states"
-    )
-    plan = p.store_plan(range(lo, hi), boundaries, ids)
+    plan = p.store_plan(range(lo, hi), ids)
 
     for g, s in enumerate(p.groups):
         copies = [c for c in plan if c.group == g]
         if s.kind is STATE:
-            assert sorted((c.chunk, c.slots, c.block_ids) for c in copies) == sorted(
-                (B // C - 1, (0,), (ids[g][B // s.block_tokens - 1],)) for B in boundaries
-            )
+            assert copies == []  # states come from the engine's hand-off, not the table
             continue
         per = p.blocks_per_entry(g)
         assert per == C // s.block_tokens
@@ -164,22 +159,14 @@ def test_store_plan_covers_every_block_exactly_once(p, n_chunks, data):
 def test_store_plan_skips_null_blocks_and_incomplete_chunks(p, n_chunks, data):
     C = p.chunk_tokens
     ids = data.draw(ids_with_nulls(p, n_chunks), label="ids")
-    boundaries = data.draw(
-        st.lists(st.sampled_from(range(C, n_chunks * C + 1, C)), unique=True), label="states"
-    )
-    plan = p.store_plan(range(n_chunks), boundaries, ids)
+    plan = p.store_plan(range(n_chunks), ids)
     assert all(b != NULL_BLOCK for c in plan for b in c.block_ids)
 
     for g, s in enumerate(p.groups):
         stored = {c.chunk: c for c in plan if c.group == g}
         assert len(stored) == len([c for c in plan if c.group == g])  # one entry per chunk
         if s.kind is STATE:
-            expect = {
-                B // C - 1
-                for B in boundaries
-                if bid_at(ids[g], B // s.block_tokens - 1) != NULL_BLOCK
-            }
-            assert set(stored) == expect
+            assert not stored
             continue
         per = p.blocks_per_entry(g)
         whole = {
@@ -197,7 +184,7 @@ def test_store_plan_example_sliding_chunk_with_released_block():
     # Chunk 64 tokens, sliding blocks of 16: chunk 0 lost its first block to the window.
     p = Planner([spec(FULL, 64), spec(SLIDING, 16, window=32, i=1), spec(STATE, 64, i=2)])
     ids = [[5, 6], [0, 11, 12, 13, 14, 15, 16, 17], [0, 21]]
-    plan = p.store_plan(range(2), [64, 128], ids)
+    plan = p.store_plan(range(2), ids) + [p.state_copy(2, 128, 21)]
     assert sorted((c.group, c.chunk, c.slots, c.block_ids) for c in plan) == [
         (0, 0, (0,), (5,)),
         (0, 1, (0,), (6,)),
@@ -399,7 +386,13 @@ def test_store_find_load_round_trip(p, n_chunks, data):
         {ids_a[g][i]: (g, i) for g in range(len(p.groups)) for i in range(len(ids_a[g]))}
     )
     store: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
-    plan = p.store_plan(range(n_chunks), range(C, n_chunks * C + 1, C), ids_a)
+    # The engine reports each state's block; here, the one at index B / block - 1.
+    plan = p.store_plan(range(n_chunks), ids_a) + [
+        p.state_copy(g, B, ids_a[g][B // s.block_tokens - 1])
+        for g, s in enumerate(p.groups)
+        if s.kind is STATE
+        for B in range(C, n_chunks * C + 1, C)
+    ]
     for c in plan:
         entry = store.setdefault((c.group, c.chunk), {})
         for slot, bid in zip(c.slots, c.block_ids, strict=True):
@@ -423,6 +416,14 @@ def test_store_find_load_round_trip(p, n_chunks, data):
         assert needed
         for i in needed:
             assert b.blocks[ids_b[g][i]] == (g, i)
+
+
+def test_state_copy_refuses_what_is_no_state_boundary():
+    p = Planner([spec(FULL, 64), spec(STATE, 64, i=1)])
+    assert p.state_copy(1, 128, 7) == EntryCopy(1, 1, (0,), (7,))
+    for g, boundary in [(0, 64), (1, 0), (1, 96)]:
+        with pytest.raises(PlanError):
+            p.state_copy(g, boundary, 7)
 
 
 def test_planner_sizes():

@@ -168,28 +168,16 @@ class Planner:
                 plan.extend(self._copies(g, need, block_ids[g]))
         return plan
 
-    def store_plan(
-        self,
-        chunks: range,
-        state_boundaries: Sequence[int],
-        block_ids: Sequence[Sequence[int]],
-    ) -> list[EntryCopy]:
-        """Copies that store `chunks` (newly computed) and the states at `state_boundaries`.
+    def store_plan(self, chunks: range, block_ids: Sequence[Sequence[int]]) -> list[EntryCopy]:
+        """Copies that store `chunks` (newly computed) of every attention group.
 
-        A chunk of an attention group is stored only whole: a sliding group whose old
-        blocks were already released for that chunk simply has no entry for it.
+        A chunk is stored only whole: a sliding group whose old blocks were already
+        released for that chunk simply has no entry for it. Recurrent states are not
+        planned from block tables (see `state_copy`).
         """
-        C = self.chunk_tokens
         plan: list[EntryCopy] = []
         for g, spec in enumerate(self.groups):
             if spec.kind is GroupKind.STATE:
-                for B in state_boundaries:
-                    if B <= 0:
-                        continue
-                    i = B // spec.block_tokens - 1
-                    bid = block_ids[g][i] if i < len(block_ids[g]) else NULL_BLOCK
-                    if bid != NULL_BLOCK:
-                        plan.append(EntryCopy(g, B // C - 1, (0,), (bid,)))
                 continue
             per = self.blocks_per_entry(g)
             for c in chunks:
@@ -197,3 +185,12 @@ class Planner:
                 if copies and len(copies[0].slots) == per:
                     plan.append(copies[0])
         return plan
+
+    def state_copy(self, g: int, boundary: int, block_id: int) -> EntryCopy:
+        """The copy that stores group g's state at `boundary` (a chunk boundary) from the
+        block the engine reports holding it."""
+        if self.groups[g].kind is not GroupKind.STATE or boundary <= 0:
+            raise PlanError(f"group {g}: no recurrent state at boundary {boundary}")
+        if boundary % self.chunk_tokens:
+            raise PlanError(f"boundary {boundary} is not a multiple of {self.chunk_tokens}")
+        return EntryCopy(g, boundary // self.chunk_tokens - 1, (0,), (block_id,))

@@ -95,6 +95,14 @@ class TieredStore:
     def release(self, owner: str) -> dict[bytes, torch.Tensor]:
         return self._held.pop(owner, {})
 
+    def is_held(self, owner: str) -> bool:
+        return owner in self._held
+
+    def held_entries(self) -> int:
+        """Entries held for planned loads: 0 whenever no request is between lookup and
+        load (a leak shows here)."""
+        return sum(len(entries) for entries in self._held.values())
+
     # ---- lifecycle -----------------------------------------------------------------------
     def flush(self) -> None:
         for t in self.tiers:

@@ -1,22 +1,28 @@
 """`HybridKVConnector`: the vLLM KV connector, a thin shell over the two sides.
 
 vLLM builds one instance per role. Both roles of one engine live in the engine-core
-process when tensor parallelism is 1 (the only case supported so far), so they share one
-`TieredStore` through a per-process registry keyed by the engine id: the scheduler side
-looks entries up, the worker side moves the bytes.
+process when it runs one worker in-process (TP = 1, the `uni` executor), the only layout
+supported so far: they share one `TieredStore` through a per-process registry keyed by
+the engine id. Every other layout is refused at start, naming the setting.
+
+No exception may leave a hook: an engine that dies for a cache is worse than no cache.
+Each hook turns an error into a miss or a dropped store, counts it and logs it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -26,6 +32,7 @@ from hybridkv.core.planner import Planner
 from hybridkv.core.policy import CheckpointPolicy
 from hybridkv.core.store import TieredStore
 from hybridkv.vllm.layout import group_layer_pages, layout_from_vllm
+from hybridkv.vllm.metadata import HybridKVMetadata
 from hybridkv.vllm.scheduler_side import SchedulerSide
 from hybridkv.vllm.worker_side import WorkerSide
 
@@ -43,6 +50,8 @@ log = logging.getLogger(__name__)
 _stores: dict[str, TieredStore] = {}
 _stores_lock = threading.Lock()
 
+T = TypeVar("T")
+
 
 def _shared_store(engine_id: str, config: HybridKVConfig, layout: Layout, pin: bool) -> TieredStore:
     with _stores_lock:
@@ -59,17 +68,60 @@ def _close_store(engine_id: str) -> None:
         store.close()
 
 
+def check_process_layout(vllm_config: VllmConfig) -> None:
+    """Refuse layouts that put the two connector sides in different processes: each
+    would build its own store, and the worker would never see what the scheduler held."""
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+        raise ConfigError(
+            "tensor_parallel_size: hybridkv supports one worker per engine for now "
+            f"(tensor_parallel_size={pc.tensor_parallel_size}, "
+            f"pipeline_parallel_size={pc.pipeline_parallel_size})"
+        )
+    if pc.data_parallel_size > 1:
+        raise ConfigError(
+            f"data_parallel_size: hybridkv supports one engine per process group for now "
+            f"(got {pc.data_parallel_size}); run separate servers instead"
+        )
+    backend = pc.distributed_executor_backend
+    if backend not in (None, "uni"):
+        name = backend if isinstance(backend, str) else getattr(backend, "__name__", backend)
+        raise ConfigError(
+            f"distributed_executor_backend: hybridkv needs the in-process 'uni' executor "
+            f"with one worker for now, got {name!r}"
+        )
+
+
+def _guarded(default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Run a hook; on any exception log it, count it on the side, return `default()`."""
+
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def hook(self: HybridKVConnector, *args: Any, **kwargs: Any) -> T:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception:
+                log.exception("hybridkv: %s failed; serving on without it", fn.__name__)
+                side = self.scheduler_side or self.worker_side
+                if side is not None:
+                    side.stats.hook_errors += 1
+                return default()
+
+        return hook
+
+    return wrap
+
+
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ):
         super().__init__(vllm_config, role, kv_cache_config)
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
         ktc = vllm_config.kv_transfer_config
         self.config = HybridKVConfig.from_dict(ktc.kv_connector_extra_config)
-        if vllm_config.parallel_config.world_size > 1:
-            raise ConfigError(
-                "tensor_parallel_size: hybridkv supports one worker per engine for now"
-            )
+        check_process_layout(vllm_config)
         model_id = self.config.model_id or str(vllm_config.model_config.model)
         self.layout = layout_from_vllm(vllm_config, kv_cache_config, model_id)
         self.planner = Planner(self.layout.groups, self.config.chunk_tokens)
@@ -87,6 +139,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                     mode,
                 )
                 enabled = False
+            if vllm_config.speculative_config is not None:
+                # Speculative blocks are relocated inside a recurrent group's table; a
+                # restored state would not be where vLLM reads it.
+                raise ConfigError(
+                    "speculative_config: hybridkv does not support speculative decoding "
+                    "with recurrent layers yet"
+                )
             if self.planner.chunk_tokens != state_groups[0].block_tokens:
                 # vLLM materializes states at multiples of its state block only: a larger
                 # chunk would leave the prompt checkpoint unstorable (silently no hits).
@@ -94,21 +153,16 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                     f"chunk_tokens: must equal the recurrent block size "
                     f"{state_groups[0].block_tokens} here, got {self.planner.chunk_tokens}"
                 )
-            policy = CheckpointPolicy(
-                self.config.checkpoint_policy,
-                self.planner.chunk_tokens,
-                state_groups[0].block_tokens,
-            )
+            policy = CheckpointPolicy(self.config.checkpoint_policy, self.planner.chunk_tokens)
         self.engine_id = ktc.engine_id
         # A CUDA cache copies to and from pinned host memory (full PCIe speed).
         pin = vllm_config.device_config.device_type == "cuda"
         store = _shared_store(self.engine_id, self.config, self.layout, pin)
-        self.scheduler_side: SchedulerSide | None = None
-        self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(self.layout, self.planner, policy, store, enabled)
         else:
             self.worker_side = WorkerSide(self.planner, store)
+        self._all_groups = tuple(range(len(self.layout.groups)))
         log.info(
             "hybridkv: %s side, chunk %d tokens, groups %s",
             role.name.lower(),
@@ -121,11 +175,19 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         self.scheduler_side.bind(kv_cache_manager)
 
+    @_guarded(lambda: (0, False))
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens), False
+        """Hits are asynchronous loads (see scheduler_side for why)."""
+        n = self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens)
+        return n, n > 0
 
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """A load writes every group: vLLM must zero none of its blocks meanwhile."""
+        return self._all_groups
+
+    @_guarded(lambda: None)
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -134,16 +196,19 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler_side.build_meta(scheduler_output)
 
+    @_guarded(lambda: (False, None))
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request), None
 
+    @_guarded(lambda: (False, None))
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request), None
 
+    @_guarded(lambda: False)
     def reset_cache(self) -> bool:
         self.scheduler_side.reset()
         return True
@@ -154,15 +219,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             kv_caches, group_layer_pages(self._kv_cache_config), self._kv_cache_config.num_blocks
         )
 
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """The first hook of every step: restore recurrent states here (see worker_side)."""
-        self.worker_side.fetch_and_restore_states(kv_connector_metadata)
-
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self.worker_side.restore_blocks()
+        """Loads are asynchronous: their requests are not in this step's forward."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HybridKVMetadata)
+        self.worker_side.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finish in `start_load_kv`, before the forward."""
+        """No layer of this step's forward reads a block being loaded."""
 
     def save_kv_layer(
         self,
@@ -173,15 +237,21 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         """Recurrent layers never call this, so every group is saved at step end instead."""
 
+    @_guarded(lambda: None)
     def wait_for_save(self) -> None:
         self.worker_side.save(self._get_connector_metadata())
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    @_guarded(lambda: KVConnectorTransferResults())
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         self.worker_side.finished(finished_req_ids)
-        return None, None
+        done = self.worker_side.transfer_results()
+        return KVConnectorTransferResults(
+            finished_recving=done.received, failed_recving=done.failed
+        )
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_side.take_load_errors()
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Unused: `get_transfer_results` reports loads, with their failures."""
+        return None, None
 
     # ---- both --------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -17,8 +17,15 @@ class KeyedCopy:
 
 @dataclass
 class RequestLoad:
+    """An asynchronous load: vLLM waits for the worker to report `req_id` received.
+
+    `failed` loads carry no copies: planning went wrong after the hit was reported, and
+    the worker only reports them as failed so vLLM recomputes the request.
+    """
+
     req_id: str
     copies: list[KeyedCopy]
+    failed: bool = False
 
 
 @dataclass

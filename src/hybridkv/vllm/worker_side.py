@@ -1,20 +1,48 @@
-"""Worker side of the connector: copies between the engine's KV cache and the tiers."""
+"""Worker side of the connector: copies between the engine's KV cache and the tiers.
+
+Every hit is an asynchronous load in vLLM's terms: the request waits (it is not
+scheduled) while the step that carries its load runs, and is admitted once
+`transfer_results` reports it received. So nothing of vLLM's own per-step work
+(zeroing new blocks, copying a recurrent state into the running block) touches the
+blocks while they are written, and a load that fails is reported for that one request,
+which vLLM then recomputes: the only failure report it accepts from models with several
+KV cache groups.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from hybridkv.core.canonical import build_canonical
 from hybridkv.core.copy_engine import CopyEngine
-from hybridkv.core.layout import GroupKind
 from hybridkv.core.planner import EntryCopy, Planner
 from hybridkv.core.store import TieredStore
-from hybridkv.vllm.metadata import HybridKVMetadata
+from hybridkv.vllm.metadata import HybridKVMetadata, RequestLoad
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerStats:
+    """Monotonic counters (they only ever grow)."""
+
+    loads: int = 0
+    failed_loads: int = 0  # requests reported failed: vLLM recomputes them
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0  # written into the KV cache by restores
+    stored_entries: int = 0
+    failed_stores: int = 0  # steps whose stores were dropped after an error
+    hook_errors: int = 0  # exceptions caught at the connector boundary
+
+
+@dataclass
+class TransferResults:
+    received: set[str]
+    failed: set[str]
 
 
 class WorkerSide:
@@ -24,12 +52,9 @@ class WorkerSide:
         self.copies: CopyEngine | None = None
         # Keys of the staged (newest decode-time) states each running request inserted.
         self._staged: dict[str, list[bytes]] = {}
-        self._load_errors: set[int] = set()
-        self._pending_scatters: list[tuple[EntryCopy, torch.Tensor]] = []
-        self.loaded_blocks = 0
-        self.loaded_bytes = 0  # written into the KV cache by restores
-        self.failed_loads = 0  # requests whose entries were gone at load time
-        self.stored_entries = 0
+        self._received: set[str] = set()
+        self._failed: set[str] = set()
+        self.stats = WorkerStats()
 
     def register(
         self,
@@ -47,50 +72,75 @@ class WorkerSide:
                 )
         self.copies = CopyEngine(kv, self.store.pool)
 
-    def fetch_and_restore_states(self, meta: HybridKVMetadata) -> None:
-        """Phase 1 of a load, at the very start of the step.
+    def load(self, meta: HybridKVMetadata) -> None:
+        """Write every load of the step into its blocks, one batch for all requests.
 
-        vLLM copies a restored recurrent state out of its boundary block into the
-        request's running block before the forward and before `start_load_kv`, so states
-        must be in place this early. Attention blocks wait for phase 2: vLLM zeroes newly
-        allocated attention blocks in between. Entries come from what the scheduler side
-        fetched and held at lookup; the tiers are asked only if that is gone. A request
-        with any entry missing loads nothing, and its blocks are reported as failed so
-        vLLM recomputes them (vLLM accepts that for single-group models only).
+        Entries come from what the scheduler side fetched and held at lookup; the tiers
+        are asked only if that is gone. A request with any entry missing, or whose copy
+        fails, loads nothing and is reported failed.
         """
-        states: list[tuple[EntryCopy, torch.Tensor]] = []
+        batch: list[tuple[EntryCopy, torch.Tensor]] = []
+        batch_reqs: list[str] = []
         for job in meta.loads:
-            held = self.store.release(job.req_id)
-            entries = [
-                held[kc.key] if kc.key in held else self.store.get(kc.key) for kc in job.copies
-            ]
-            if not all(
-                e is not None and e.numel() == self.planner.entry_bytes(kc.copy.group)
-                for e, kc in zip(entries, job.copies, strict=True)
-            ):
-                log.warning("hybridkv: entries for %s vanished before load", job.req_id)
-                self.failed_loads += 1
-                self._load_errors.update(b for kc in job.copies for b in kc.copy.block_ids)
+            try:
+                entries = self._entries(job)
+            except Exception:
+                log.exception("hybridkv: reading the entries of %s failed", job.req_id)
+                entries = None
+            if entries is None:
+                self._fail(job.req_id)
                 continue
-            for entry, kc in zip(entries, job.copies, strict=True):
-                is_state = self.planner.groups[kc.copy.group].kind is GroupKind.STATE
-                (states if is_state else self._pending_scatters).append((kc.copy, entry))
-        self._scatter(states)
+            batch.extend((kc.copy, e) for kc, e in zip(job.copies, entries, strict=True))
+            batch_reqs.append(job.req_id)
+        if not batch_reqs:
+            return
+        try:
+            self.copies.scatter(batch)
+        except Exception:
+            # Blocks may be half written; vLLM recomputes every one of these requests.
+            log.exception("hybridkv: restoring %d requests failed", len(batch_reqs))
+            for req_id in batch_reqs:
+                self._fail(req_id)
+            return
+        self._received.update(batch_reqs)
+        self.stats.loads += len(batch_reqs)
+        for c, _ in batch:
+            self.stats.loaded_blocks += len(c.block_ids)
+            self.stats.loaded_bytes += len(c.block_ids) * self.planner.groups[c.group].block_bytes
 
-    def restore_blocks(self) -> None:
-        """Phase 2 of a load, just before the forward."""
-        self._scatter(self._pending_scatters)
-        self._pending_scatters = []
+    def _entries(self, job: RequestLoad) -> list[torch.Tensor] | None:
+        held = self.store.release(job.req_id)
+        if job.failed:
+            return None
+        entries = [held[kc.key] if kc.key in held else self.store.get(kc.key) for kc in job.copies]
+        for e, kc in zip(entries, job.copies, strict=True):
+            if e is None or e.numel() != self.planner.entry_bytes(kc.copy.group):
+                log.warning("hybridkv: entries for %s vanished before load", job.req_id)
+                return None
+        return entries
 
-    def _scatter(self, loads: list[tuple[EntryCopy, torch.Tensor]]) -> None:
-        self.copies.scatter(loads)
-        for c, _ in loads:
-            self.loaded_blocks += len(c.block_ids)
-            self.loaded_bytes += len(c.block_ids) * self.planner.groups[c.group].block_bytes
+    def _fail(self, req_id: str) -> None:
+        self.stats.failed_loads += 1
+        self._failed.add(req_id)
+
+    def transfer_results(self) -> TransferResults:
+        """Loads finished since the last call: failed ones are received too (vLLM must
+        release the request from its wait either way)."""
+        out = TransferResults(self._received | self._failed, self._failed)
+        self._received, self._failed = set(), set()
+        return out
 
     def save(self, meta: HybridKVMetadata) -> None:
         """Copy this step's new chunks out while their blocks are sure to be intact: every
-        entry of the step in one batch, then into the tiers."""
+        entry of the step in one batch, then into the tiers. A failure drops the step's
+        stores (counted): a missed store costs a future hit, never correctness."""
+        try:
+            self._save(meta)
+        except Exception:
+            log.exception("hybridkv: storing a step failed; its entries are dropped")
+            self.stats.failed_stores += 1
+
+    def _save(self, meta: HybridKVMetadata) -> None:
         staged = [
             (job.req_id, kc)
             for job in meta.stores
@@ -101,12 +151,12 @@ class WorkerSide:
         entries = self.copies.gather([kc.copy for kc in stores] + [kc.copy for _, kc in staged])
         for kc, entry in zip(stores, entries[: len(stores)], strict=True):
             if self.store.put(kc.key, entry):
-                self.stored_entries += 1
+                self.stats.stored_entries += 1
         inserted: dict[str, list[bytes]] = {job.req_id: [] for job in meta.stores if job.staged}
         for (req_id, kc), entry in zip(staged, entries[len(stores) :], strict=True):
             if self.store.put(kc.key, entry):
                 inserted[req_id].append(kc.key)
-                self.stored_entries += 1
+                self.stats.stored_entries += 1
         for req_id, keys in inserted.items():
             self._replace_staged(req_id, keys)
 
@@ -123,7 +173,3 @@ class WorkerSide:
         """A request ended: what it staged last stays stored."""
         for req_id in finished_req_ids:
             self._staged.pop(req_id, None)
-
-    def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
