@@ -130,7 +130,9 @@ def test_disk_settings(tmp_path):
     assert HybridKVConfig().disk_path is None
 
 
-@pytest.mark.parametrize("key", ["disk_bytes", "disk_fsync", "disk_queue_bytes"])
+@pytest.mark.parametrize(
+    "key", ["disk_bytes", "disk_fsync", "disk_queue_bytes", "disk_mode", "integrity_key"]
+)
 def test_disk_setting_without_disk_path(key):
     with pytest.raises(ConfigError, match=rf"^{key}: has no effect without disk_path"):
         HybridKVConfig.from_dict({key: "1GiB"})
@@ -157,3 +159,35 @@ def test_disk_path_must_not_be_a_file(tmp_path):
     f.write_text("")
     with pytest.raises(ConfigError, match=r"^disk_path: .* is not a directory"):
         HybridKVConfig.from_dict({"disk_path": str(f)})
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"),
+    [("0660", 0o660), ("660", 0o660), ("0o640", 0o640), (" 0600 ", 0o600), (0o770, 0o770)],
+)
+def test_disk_mode(tmp_path, value, mode):
+    cfg = HybridKVConfig.from_dict({"disk_path": str(tmp_path), "disk_mode": value})
+    assert cfg.disk_mode == mode
+    assert HybridKVConfig.from_dict({"disk_path": str(tmp_path)}).disk_mode == 0o600
+
+
+@pytest.mark.parametrize(
+    "value", ["0400", "0200", 660, "0o1777", 0o4600, "rw-rw----", "0999", "", True, None, 6.6]
+)
+def test_bad_disk_mode(tmp_path, value):
+    with pytest.raises(ConfigError, match=r"^disk_mode: "):
+        HybridKVConfig.from_dict({"disk_path": str(tmp_path), "disk_mode": value})
+
+
+def test_integrity_key_stays_out_of_repr(tmp_path):
+    secret = "s3cret-of-sixteen-chars"
+    cfg = HybridKVConfig.from_dict({"disk_path": str(tmp_path), "integrity_key": secret})
+    assert cfg.integrity_key == secret and secret not in repr(cfg)
+    assert HybridKVConfig.from_dict({"disk_path": str(tmp_path)}).integrity_key is None
+
+
+@pytest.mark.parametrize("value", ["too-short", "", 1234567890123456789, b"sixteen-bytes-of-it"])
+def test_bad_integrity_key(tmp_path, value):
+    with pytest.raises(ConfigError, match=r"^integrity_key: ") as err:
+        HybridKVConfig.from_dict({"disk_path": str(tmp_path), "integrity_key": value})
+    assert not value or str(value) not in str(err.value)  # a secret is never echoed

@@ -373,12 +373,12 @@ DAMAGE = {
     "payload-byte": (lambda p, d: xor_at(p, HEADER_BYTES + 1234), "checksum"),
     "last-payload-byte": (lambda p, d: xor_at(p, HEADER_BYTES + NBYTES - 1, 1), "checksum"),
     "group-id": (lambda p, d: xor_at(p, 12, 1), "key"),
-    "reserved": (lambda p, d: xor_at(p, 14), "checksum"),
+    "flags": (lambda p, d: xor_at(p, 14), "header"),
+    "mac-flag": (lambda p, d: xor_at(p, 14, 1), "truncated"),  # no MAC trailer follows
     "chunk-key": (lambda p, d: xor_at(p, 40), "key"),
     "length": (lambda p, d: xor_at(p, 48, 1), "truncated"),
     "checksum-field": (lambda p, d: xor_at(p, 60), "checksum"),
-    "version": (lambda p, d: write_at(p, 8, (FILE_VERSION + 1).to_bytes(2, "little")), "version"),
-    "header-bytes": (lambda p, d: write_at(p, 10, (128).to_bytes(2, "little")), "version"),
+    "header-bytes": (lambda p, d: write_at(p, 10, (128).to_bytes(2, "little")), "header"),
     "magic": (lambda p, d: write_at(p, 0, b"NOTHYBRD"), "magic"),
     "truncated-payload": (lambda p, d: truncate(p, HEADER_BYTES + NBYTES // 2), "truncated"),
     "truncated-header": (lambda p, d: truncate(p, 40), "truncated"),
@@ -422,7 +422,9 @@ def test_damaged_file_is_a_counted_miss_and_removed(make_tier, damage):
     assert_entry(foreign.get(target), payload(9, NBYTES))  # the donor is untouched
 
 
-def _damage_case(one_tier, nbytes: int, damage: Callable[[Path, int], None]) -> None:
+def _damage_case(
+    one_tier, nbytes: int, damage: Callable[[Path, int], None], removed: bool = True
+) -> None:
     tier, counter = one_tier
     k = key(next(counter))
     put_all(tier, {k: payload(index_of(k), nbytes)})
@@ -432,7 +434,10 @@ def _damage_case(one_tier, nbytes: int, damage: Callable[[Path, int], None]) -> 
     assert tier.get(k) is None
     after = tier.stats()
     assert (after.corrupt - before.corrupt, after.hits - before.hits) == (1, 0)
-    assert not path.exists()
+    assert path.exists() != removed
+
+
+VERSION_FIELD = range(8, 10)
 
 
 @PROPERTY
@@ -440,7 +445,11 @@ def _damage_case(one_tier, nbytes: int, damage: Callable[[Path, int], None]) -> 
     nbytes=st.integers(0, 2000), where=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255)
 )
 def test_any_flipped_byte_is_rejected(one_tier, nbytes, where, mask):
-    _damage_case(one_tier, nbytes, lambda p, size: xor_at(p, int(where * size), mask))
+    """Rejected wherever it is; removed unless it makes another file version, which a
+    reader of that version may use (tests/test_disk_hardening.py)."""
+    offset = int(where * file_bytes(nbytes))
+    removed = offset not in VERSION_FIELD
+    _damage_case(one_tier, nbytes, lambda p, size: xor_at(p, offset, mask), removed)
 
 
 @PROPERTY
@@ -607,7 +616,9 @@ def test_delete_of_a_stored_entry(make_tier):
     assert_index_matches_disk(tier)
 
 
-def test_clear_removes_this_layouts_entries_only(make_tier):
+def test_clear_removes_this_tiers_entries_only(make_tier):
+    """reset_prefix_cache resets this engine's entries: another engine's on the same
+    directory (same layout or not) stay."""
     mine, also_mine = make_tier(), make_tier()
     other = make_tier(fingerprint=OTHER_FP)
     put_all(mine, {key(i): payload(i, 500) for i in range(5)})
@@ -618,10 +629,11 @@ def test_clear_removes_this_layouts_entries_only(make_tier):
 
     mine.clear()
     mine.flush()
-    assert entry_names(mine.dir) == ([], [])
+    assert set(kv_sizes(mine.dir)) == {key(i) for i in range(5, 10)}  # also_mine's
+    assert tmp_files(mine.dir) == []
     assert (mine.dir / "layout.json").exists()
-    assert mine.stats().entries == 0
-    assert also_mine.get(key(5)) is None
+    assert not any(mine.contains(key(i)) for i in [*range(5), *range(10, 20)])
+    assert_entry(also_mine.get(key(5)), payload(5, 500))
     assert len(read_all(other.dir, OTHER_FP)) == 3
     # Still usable afterwards.
     put_all(mine, {key(1): payload(1, 500)})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -76,6 +76,12 @@ class HybridKVConfig:
     disk_fsync: bool = False
     # Bytes waiting to be written before further disk stores are dropped (and counted).
     disk_queue_bytes: int = 256 * 1024**2
+    # Permissions of the disk tier's files (directories get the matching search bits):
+    # private by default; e.g. 0o660 for engines of one group sharing disk_path.
+    disk_mode: int = 0o600
+    # Secret that MACs every disk entry, so that whoever can write to a shared disk_path
+    # cannot inject KV: entries without this MAC are misses. Kept out of the repr.
+    integrity_key: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> HybridKVConfig:
@@ -111,7 +117,26 @@ class HybridKVConfig:
         return cls(**kwargs)
 
 
-_DISK_KEYS = ("disk_bytes", "disk_fsync", "disk_queue_bytes")
+_DISK_KEYS = ("disk_bytes", "disk_fsync", "disk_queue_bytes", "disk_mode", "integrity_key")
+_MODE_RE = re.compile(r"^(?:0o?)?([0-7]{1,4})$", re.IGNORECASE)
+
+
+def parse_mode(value: Any, key: str = "disk_mode") -> int:
+    """Parse file permissions: an int (0o660) or an octal string ("0660", "660", "0o660").
+    The owner must be able to read and write; nothing beyond 0o777 (no setuid, sticky)."""
+    m = _MODE_RE.match(value.strip()) if isinstance(value, str) else None
+    if m:
+        mode = int(m.group(1), 8)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        mode = value
+    else:
+        raise ConfigError(f"{key}: expected octal permissions like '0660', got {value!r}")
+    if not 0 <= mode <= 0o777 or mode & 0o600 != 0o600:
+        raise ConfigError(
+            f"{key}: permissions must be within 0777 and let the owner read and write "
+            f"(0600), got {value!r} ({mode:#o})"
+        )
+    return mode
 
 
 def _disk_settings(raw: dict[str, Any]) -> dict[str, Any]:
@@ -135,4 +160,12 @@ def _disk_settings(raw: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(raw["disk_fsync"], bool):
             raise ConfigError(f"disk_fsync: expected true or false, got {raw['disk_fsync']!r}")
         out["disk_fsync"] = raw["disk_fsync"]
+    if "disk_mode" in raw:
+        out["disk_mode"] = parse_mode(raw["disk_mode"])
+    if raw.get("integrity_key") is not None:
+        secret = raw["integrity_key"]
+        if not isinstance(secret, str) or len(secret) < 16:
+            # The value is a secret: never echo it.
+            raise ConfigError("integrity_key: expected a secret string of 16 characters or more")
+        out["integrity_key"] = secret
     return out

@@ -15,6 +15,7 @@ import torch
 from hybridkv.core.config import HybridKVConfig
 from hybridkv.core.host_pool import HostPool
 from hybridkv.core.layout import Layout
+from hybridkv.core.planner import Planner
 from hybridkv.core.tiers.base import Tier, TierStats
 from hybridkv.core.tiers.disk import DiskTier
 from hybridkv.core.tiers.memory import MemoryTier
@@ -35,12 +36,16 @@ class TieredStore:
         pool = HostPool(pin)
         tiers: list[Tier] = [MemoryTier(config.cpu_bytes)]
         if config.disk_path is not None:
+            planner = Planner(layout.groups, config.chunk_tokens)
             tiers.append(
                 DiskTier(
                     config.disk_path,
                     layout.fingerprint,
                     layout.describe(),
                     config.disk_bytes,
+                    entry_bytes=[planner.entry_bytes(g) for g in range(len(layout.groups))],
+                    file_mode=config.disk_mode,
+                    integrity_key=config.integrity_key,
                     queue_bytes=config.disk_queue_bytes,
                     fsync=config.disk_fsync,
                     alloc=pool.empty,

@@ -24,8 +24,12 @@ class TierStats:
     rejected_puts: int = 0  # too large for the tier, or the tier cannot store
     dropped_puts: int = 0  # write queue full: dropped rather than stall the engine
     write_errors: int = 0
-    corrupt: int = 0  # damaged or foreign entries found, removed and counted as misses
+    # Unusable entry files found and counted as misses (damaged ones are also removed).
+    corrupt: int = 0
     evictions: int = 0
+    # Faults caught rather than raised to the engine (I/O errors, anything unexpected);
+    # the call that met one answered a miss or False.
+    errors: int = 0
 
 
 class Tier(ABC):

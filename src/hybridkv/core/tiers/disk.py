@@ -6,18 +6,24 @@ entry and returns; writer threads write a temporary file in the same directory a
 rename it into place, so a reader sees a whole file or none. Several engine processes may
 share the directory: renames are atomic, every process verifies what it reads, and an
 unlink never hurts a reader that already opened the file. See docs/format.md.
+
+The engine calls this tier from its scheduler and worker: nothing a file, another
+process or the disk does may make a method raise (it would crash the engine). Every
+public method turns a fault into a logged (once per reason), counted miss or False, and
+the directory is treated as untrusted (tiers/files.py, and the MAC of entry_file.py).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
+import functools
 import json
 import logging
 import os
 import queue
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -25,19 +31,27 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
-from hybridkv.core.keys import KEY_BYTES
+from hybridkv.core.keys import KEY_BYTES, split_group_key
 from hybridkv.core.tiers.base import Tier, TierStats
 from hybridkv.core.tiers.entry_file import (
     FILE_VERSION,
-    HEADER_BYTES,
     EntryFileError,
+    derive_mac_key,
+    file_bytes,
     new_entry,
     read_entry,
     write_entry,
+)
+from hybridkv.core.tiers.files import (
+    DIR_FLAGS,
+    create_exclusive,
+    dir_mode,
+    make_dir,
+    read_small,
 )
 
 log = logging.getLogger(__name__)
@@ -45,12 +59,16 @@ log = logging.getLogger(__name__)
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
 _NAME_CHARS = 2 * (KEY_BYTES + 2)  # hex of a group key
+_LAYOUT_JSON = "layout.json"
+_LAYOUT_JSON_LIMIT = 1 << 20
 # A temporary file this old is a leftover whatever process wrote it.
 STALE_TMP_SECONDS = 3600.0
 # Below this many bytes a batch of reads is done in the calling thread.
 _PARALLEL_READ_BYTES = 4 << 20
 # Tiers of this process still running: their temporary files are not leftovers.
 _live_tokens: set[str] = set()
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
 def _pid_alive(pid: int) -> bool:
@@ -63,6 +81,24 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _never_raises(fallback: Callable[..., Any] = lambda *_: None) -> Callable[[_Method], _Method]:
+    """A public method that answers `fallback(self, *args)` instead of raising: the fault
+    is logged once per kind and counted (`errors`)."""
+
+    def wrap(method: _Method) -> _Method:
+        @functools.wraps(method)
+        def guarded(self: DiskTier, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as e:
+                self._fault(method.__name__, e)
+                return fallback(self, *args, **kwargs)
+
+        return cast(_Method, guarded)
+
+    return wrap
+
+
 class DiskTier(Tier):
     name = "disk"
 
@@ -73,6 +109,9 @@ class DiskTier(Tier):
         layout_description: dict[str, Any],
         capacity_bytes: int,
         *,
+        entry_bytes: Sequence[int] | None = None,
+        file_mode: int = 0o600,
+        integrity_key: str | None = None,
         queue_bytes: int = 256 << 20,
         writers: int = 2,
         readers: int = 4,
@@ -80,13 +119,27 @@ class DiskTier(Tier):
         rescan_seconds: float = 60.0,
         alloc: Callable[[int], torch.Tensor] | None = None,
     ):
+        """`entry_bytes`: payload bytes of one entry of each group, by group id; a file
+        claiming another size is rejected before anything is allocated (None: checked
+        against the file's size only). `file_mode`: permissions of the files written
+        (directories get the matching search bits). `integrity_key`: read and write only
+        entries MACed under this secret (docs/format.md)."""
         self.dir = Path(root) / fingerprint.hex()
         self.fingerprint = fingerprint
         self.capacity = capacity_bytes
         self.queue_bytes = queue_bytes
         self.fsync = fsync
         self.rescan_seconds = rescan_seconds
+        self._entry_bytes = entry_bytes
+        self._file_mode = file_mode
+        self._dir_mode = dir_mode(file_mode)
+        self._mac_key = derive_mac_key(integrity_key) if integrity_key is not None else None
         self._alloc = alloc or new_entry  # where reads land
+        self._meta = {
+            "file_version": FILE_VERSION,
+            "fingerprint": fingerprint.hex(),
+            "layout": layout_description,
+        }
         self._host = socket.gethostname().replace(".", "_")
         self._token = uuid.uuid4().hex[:8]
         _live_tokens.add(self._token)
@@ -94,17 +147,23 @@ class DiskTier(Tier):
         # key -> file bytes, least recently used first.
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._used = 0
+        # Files this tier renamed into place, key -> (st_dev, st_ino): what clear() removes.
+        self._written: dict[bytes, tuple[int, int]] = {}
+        # Files found unusable but left in place (another version's or key's), key ->
+        # (st_dev, st_ino): absent for contains() and the index until replaced, so that
+        # this engine stores the entry again rather than skip it as stored.
+        self._kept: dict[bytes, tuple[int, int]] = {}
         # Queued entries and their file sizes, until renamed into place.
         self._pending: dict[bytes, tuple[torch.Tensor, int]] = {}
         self._pending_bytes = 0
-        self._seq = itertools.count()
         self._stats = TierStats(capacity_bytes=capacity_bytes)
         self._queue: queue.Queue[bytes | None] = queue.Queue()
         self._warned: set[str] = set()
-        self.usable = self._prepare(layout_description)
-        self.writable = self.usable and self._probe_writable()
+        self._closed = False
         self.leftovers_removed = 0
         self._last_scan = 0.0
+        self.usable = self._prepare()
+        self.writable = self.usable and self._probe_writable()
         if self.usable:
             self.rescan()
         self._threads = [
@@ -113,44 +172,55 @@ class DiskTier(Tier):
         ]
         for t in self._threads:
             t.start()
-        self._closed = False
         # Reads of one hit run in parallel: file reads and checksums release the GIL.
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="hybridkv-read")
         # Daemon writers die with the interpreter: drain the queue first.
         atexit.register(self.close)
 
     # ---- start ----------------------------------------------------------------------------
-    def _prepare(self, layout_description: dict[str, Any]) -> bool:
-        """Create the directory and its layout.json; False if neither exists nor can."""
-        meta = {
-            "file_version": FILE_VERSION,
-            "fingerprint": self.fingerprint.hex(),
-            "layout": layout_description,
-        }
-        path = self.dir / "layout.json"
+    def _prepare(self) -> bool:
+        """Create the directory and its layout.json (at start, and again should the
+        directory be removed); False if neither exists nor can, or the layout directory is
+        a link (its files would land where the link points)."""
+        path = self.dir / _LAYOUT_JSON
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            if not path.exists():
-                tmp = self.dir / self._tmp_name("layout")
-                tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-                os.replace(tmp, path)
-        except OSError as e:
-            if not self.dir.is_dir():
-                log.warning("hybridkv: disk tier off, cannot create %s: %s", self.dir, e)
+            self.dir.parent.parent.mkdir(parents=True, exist_ok=True)
+            make_dir(self.dir.parent, self._dir_mode)  # disk_path, if it is new
+            make_dir(self.dir, self._dir_mode)
+            if not stat.S_ISDIR(os.lstat(self.dir).st_mode):
+                self._warn_once("dir", "hybridkv: disk tier off: %s is no directory", self.dir)
                 return False
-        else:
-            try:
-                found = json.loads(path.read_text()).get("fingerprint")
-            except (OSError, ValueError) as e:
-                found = f"unreadable ({e})"
-            if found != self.fingerprint.hex():
-                log.warning("hybridkv: %s names layout %s, not this one", path, found)
+            if not os.path.lexists(path):
+                self._write_layout_json(path)
+        except OSError as e:
+            if not os.path.isdir(self.dir):
+                self._warn_once("dir", "hybridkv: disk tier off: cannot create %s: %s", self.dir, e)
+                return False
+        try:
+            meta = json.loads(read_small(path, _LAYOUT_JSON_LIMIT))
+            found = meta.get("fingerprint") if isinstance(meta, dict) else "a non-object"
+        except (OSError, ValueError, RecursionError) as e:
+            found = f"unreadable ({e})"
+        if found != self.fingerprint.hex():
+            self._warn_once("json", "hybridkv: %s names layout %s, not this one", path, found)
         return True
+
+    def _write_layout_json(self, path: Path) -> None:
+        """Write layout.json atomically (another process may write it at the same time)."""
+        tmp = self.dir / self._tmp_name("layout")
+        data = (json.dumps(self._meta, indent=2, sort_keys=True) + "\n").encode()
+        try:
+            with os.fdopen(create_exclusive(str(tmp), self._file_mode), "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            self._discard(tmp)
+            raise
 
     def _probe_writable(self) -> bool:
         probe = self.dir / self._tmp_name("probe")
         try:
-            probe.write_bytes(b"")
+            os.close(create_exclusive(str(probe), self._file_mode))
             probe.unlink()
             return True
         except OSError as e:
@@ -160,30 +230,33 @@ class DiskTier(Tier):
             return False
 
     def _tmp_name(self, stem: str) -> str:
-        """Names a writer's temporary file so a later scan can tell whether it died."""
-        return f".{stem}.{os.getpid()}-{self._token}.{self._host}{_TMP_SUFFIX}"
+        """A random name that a later scan can tell the writer (and whether it died) by."""
+        owner = f"{os.getpid()}-{self._token}.{self._host}"
+        return f".{stem}-{os.urandom(8).hex()}.{owner}{_TMP_SUFFIX}"
 
     def path_of(self, key: bytes) -> Path:
         """Where the entry named `key` lives (whether or not it exists)."""
         name = key.hex()
         return self.dir / name[:2] / (name + _SUFFIX)
 
+    @_never_raises()
     def rescan(self) -> None:
         """Rebuild the index from the directory, oldest file first, and enforce the budget.
 
         The directory is the truth: other processes add and evict entries, and a restart
         starts from what is on disk. Temporary files of dead writers are removed here.
+        Only regular files count; links and anything else under an entry name are ignored.
         """
         found: list[tuple[int, bytes, int]] = []
+        kept: dict[bytes, tuple[int, int]] = {}
         now = time.time()
         try:
             top = list(os.scandir(self.dir))
-        except OSError as e:
-            log.warning("hybridkv: cannot scan %s: %s", self.dir, e)
-            return
-        entries = [e for e in top if not e.is_dir()]
+        except FileNotFoundError:
+            top = []  # removed under us: empty until a write makes it again
+        entries = [e for e in top if not e.is_dir(follow_symlinks=False)]
         for sub in top:
-            if sub.is_dir() and len(sub.name) == 2:
+            if sub.is_dir(follow_symlinks=False) and len(sub.name) == 2:
                 try:
                     entries.extend(os.scandir(sub.path))
                 except OSError:
@@ -191,9 +264,13 @@ class DiskTier(Tier):
         for e in entries:
             try:
                 if e.name.endswith(_SUFFIX) and len(e.name) == _NAME_CHARS + len(_SUFFIX):
-                    st = e.stat()
-                    key = bytes.fromhex(e.name[:_NAME_CHARS])
-                    found.append((st.st_mtime_ns, key, st.st_size))
+                    if e.is_file(follow_symlinks=False):
+                        st = e.stat(follow_symlinks=False)
+                        key = bytes.fromhex(e.name[:_NAME_CHARS])
+                        if self._kept.get(key) == (st.st_dev, st.st_ino):
+                            kept[key] = (st.st_dev, st.st_ino)
+                        else:
+                            found.append((st.st_mtime_ns, key, st.st_size))
                 elif e.name.endswith(_TMP_SUFFIX) and self._is_leftover(e, now):
                     os.unlink(e.path)
                     self.leftovers_removed += 1
@@ -203,6 +280,8 @@ class DiskTier(Tier):
         with self._lock:
             self._index = OrderedDict((key, size) for _, key, size in found)
             self._used = sum(size for _, _, size in found)
+            self._written = {k: v for k, v in self._written.items() if k in self._index}
+            self._kept = kept
             self._last_scan = time.monotonic()
             self._evict_to(self.capacity)
 
@@ -210,7 +289,7 @@ class DiskTier(Tier):
         """A temporary file whose writer died: this host's with a dead pid, or with our own
         pid (a restarted container reuses pids) but no live tier of this process behind
         it, or any that is old."""
-        parts = e.name.split(".")  # ".<stem>.<pid>-<tier token>.<host>.tmp"
+        parts = e.name.split(".")  # ".<stem>-<random>.<pid>-<tier token>.<host>.tmp"
         pid, _, token = parts[2].partition("-") if len(parts) == 5 else ("", "", "")
         if parts[3:4] == [self._host] and pid.isdigit():
             if int(pid) == os.getpid():
@@ -218,25 +297,29 @@ class DiskTier(Tier):
                     return True
             elif not _pid_alive(int(pid)):
                 return True
-        return now - e.stat().st_mtime > STALE_TMP_SECONDS
+        return now - e.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS
 
     # ---- the tier interface -----------------------------------------------------------------
+    @_never_raises(lambda self, key: False)
     def contains(self, key: bytes) -> bool:
         with self._lock:
             if key in self._index or key in self._pending:
                 return True
         if not self.usable:
             return False
-        try:
-            size = os.stat(self.path_of(key)).st_size  # another process may have written it
+        try:  # another process may have written it
+            st = os.stat(self.path_of(key), follow_symlinks=False)
         except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode) or self._kept.get(key) == (st.st_dev, st.st_ino):
             return False
         with self._lock:
             if key not in self._index:
-                self._index[key] = size
-                self._used += size
+                self._index[key] = st.st_size
+                self._used += st.st_size
         return True
 
+    @_never_raises(lambda self, key: self._count_miss())
     def get(self, key: bytes) -> torch.Tensor | None:
         with self._lock:
             pending = self._pending.get(key)
@@ -248,7 +331,14 @@ class DiskTier(Tier):
             return None
         path = self.path_of(key)
         try:
-            entry = read_entry(path, self.fingerprint, key, self._alloc)
+            entry = read_entry(
+                path,
+                self.fingerprint,
+                key,
+                payload_bytes=self._payload_bytes(key),
+                alloc=self._alloc,
+                mac_key=self._mac_key,
+            )
         except FileNotFoundError:
             self._forget(key)
             self._count_miss()
@@ -256,33 +346,38 @@ class DiskTier(Tier):
         except EntryFileError as e:
             self._reject(key, path, e)
             return None
-        except OSError as e:
+        except OSError as e:  # EIO, EMFILE...: the file may be good, so it stays
             self._warn_once(f"read:{e.errno}", "hybridkv: disk tier cannot read %s: %s", path, e)
-            self._count_miss()
+            with self._lock:
+                self._stats.errors += 1
+                self._stats.misses += 1
             return None
         with self._lock:
             self._stats.hits += 1
             if key in self._index:
                 self._index.move_to_end(key)
         with contextlib.suppress(OSError):  # recency for other processes and restarts
-            os.utime(path)
+            os.utime(path, follow_symlinks=False)
         return entry
 
+    @_never_raises(lambda self, keys: [None] * len(keys))
     def get_many(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
         with self._lock:
             known = sum(self._index.get(k, 0) for k in keys)
-        if known < _PARALLEL_READ_BYTES or not self.usable:
+        if known < _PARALLEL_READ_BYTES or not self.usable or self._closed:
             return [self.get(k) for k in keys]  # handing out small reads costs more
         return list(self._readers.map(self.get, keys))
 
+    @_never_raises(lambda self, key, entry: False)
     def put(self, key: bytes, entry: torch.Tensor) -> bool:
         if entry.dtype != torch.int8 or entry.dim() != 1 or not entry.is_contiguous():
             raise ValueError("a disk entry is a contiguous 1-D int8 tensor")
+        split_group_key(key)  # a malformed key fails here, not in a writer
         if not self.writable or self._closed:
             with self._lock:
                 self._stats.rejected_puts += 1
             return False
-        size = HEADER_BYTES + entry.numel()
+        size = file_bytes(entry.numel(), self._mac_key is not None)
         with self._lock:
             if key in self._index or key in self._pending:
                 return True
@@ -298,39 +393,39 @@ class DiskTier(Tier):
         self._queue.put(key)
         return True
 
+    @_never_raises(lambda self, key: False)
     def delete(self, key: bytes) -> bool:
         with self._lock:
             pending = self._pending.pop(key, None)
             if pending is not None:
                 self._pending_bytes -= pending[1]
-            known = self._index.pop(key, None)
-            if known is not None:
-                self._used -= known
+        known = self._forget(key)
         try:
             os.unlink(self.path_of(key))
             return True
         except OSError:
-            return pending is not None or known is not None
+            return pending is not None or known
 
+    @_never_raises()
     def clear(self) -> None:
-        """Remove every entry of this layout, including other processes' ones."""
+        """Drop queued writes and remove the files this tier wrote, each only while it is
+        still the file written (another writer may have replaced it since). Other
+        writers' entries in a shared directory stay: they are not this engine's to reset."""
         with self._lock:
             self._pending.clear()
             self._pending_bytes = 0
-        if not self.usable:
-            return
-        self.rescan()
-        with self._lock:
-            keys = list(self._index)
-            self._index.clear()
-            self._used = 0
-        for key in keys:
-            self._discard(self.path_of(key))
+            written, self._written = self._written, {}
+            for key in written:
+                self._used -= self._index.pop(key, 0)
+        for key, file_id in written.items():
+            self._discard(self.path_of(key), file_id)
 
+    @_never_raises()
     def flush(self) -> None:
         """Wait until every queued write is on disk (or failed)."""
         self._queue.join()
 
+    @_never_raises()
     def close(self) -> None:
         if self._closed:
             return
@@ -343,6 +438,7 @@ class DiskTier(Tier):
         _live_tokens.discard(self._token)
         atexit.unregister(self.close)
 
+    @_never_raises(lambda self: TierStats(capacity_bytes=self.capacity))
     def stats(self) -> TierStats:
         with self._lock:
             s = TierStats(**vars(self._stats))
@@ -350,24 +446,49 @@ class DiskTier(Tier):
             return s
 
     # ---- internals ---------------------------------------------------------------------------
+    def _payload_bytes(self, key: bytes) -> int | None:
+        """What an entry of `key`'s group holds, if the layout's sizes were given."""
+        if self._entry_bytes is None:
+            return None
+        return self._entry_bytes[split_group_key(key)[1]]
+
     def _count_miss(self) -> None:
         with self._lock:
             self._stats.misses += 1
 
-    def _forget(self, key: bytes) -> None:
+    def _fault(self, what: str, err: Exception) -> None:
         with self._lock:
+            self._stats.errors += 1
+        kind = f"{what}:{type(err).__name__}:{getattr(err, 'errno', '')}"
+        self._warn_once(kind, "hybridkv: disk tier %s failed (%r); answered a miss", what, err)
+
+    def _forget(self, key: bytes) -> bool:
+        """Drop `key` from the index; whether it was there."""
+        with self._lock:
+            self._written.pop(key, None)
             size = self._index.pop(key, None)
             if size is not None:
                 self._used -= size
+        return size is not None
 
     def _reject(self, key: bytes, path: Path, err: EntryFileError) -> None:
-        """A damaged or foreign file: count it, remove it, and report a miss."""
-        log.warning("hybridkv: disk entry %s rejected (%s); treated as a miss", path.name, err)
+        """An unusable file: a counted miss. Removed only when no reader can use it, and
+        only the very file read; another version's or another key's file stays."""
+        self._warn_once(
+            f"reject:{err.reason}",
+            "hybridkv: disk entry %s rejected (%s); treated as a miss%s",
+            path.name,
+            err,
+            " and removed" if err.damaged else ", left for the writer's readers",
+        )
         self._forget(key)
         with self._lock:
             self._stats.corrupt += 1
             self._stats.misses += 1
-        self._discard(path)
+            if not err.damaged and err.file_id is not None:
+                self._kept[key] = err.file_id
+        if err.damaged and err.file_id is not None:
+            self._discard(path, err.file_id)
 
     def _warn_once(self, what: str, msg: str, *args: Any) -> None:
         if what not in self._warned:
@@ -379,6 +500,7 @@ class DiskTier(Tier):
         while self._used > limit and self._index:
             key, size = self._index.popitem(last=False)
             self._used -= size
+            self._written.pop(key, None)
             self._stats.evictions += 1
             self._discard(self.path_of(key))
 
@@ -394,53 +516,71 @@ class DiskTier(Tier):
             finally:
                 self._queue.task_done()
 
+    def _open_fanout(self, key: bytes) -> int:
+        """A descriptor of `key`'s fan-out directory, made if missing (with the layout
+        directory, should that have been removed meanwhile); never through a link."""
+        sub = self.path_of(key).parent
+        try:
+            return os.open(sub, DIR_FLAGS)
+        except FileNotFoundError:
+            if not os.path.isdir(self.dir):
+                self._prepare()
+            make_dir(sub, self._dir_mode)
+            return os.open(sub, DIR_FLAGS)
+
     def _write(self, key: bytes) -> None:
+        """Write one queued entry to a new temporary file and rename it into place."""
         with self._lock:
             pending = self._pending.get(key)
         if pending is None:
             return  # deleted while queued
-        entry = pending[0]
-        final = self.path_of(key)
-        # Unique even when a key is deleted and queued again while its first write runs.
-        tmp = final.with_name(self._tmp_name(f"{final.stem}-{next(self._seq)}"))
+        tmp = self._tmp_name(key.hex())
+        dir_fd = created = None
         try:
-            final.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb") as f:
-                size = write_entry(f, self.fingerprint, key, entry)
+            dir_fd = self._open_fanout(key)
+            with os.fdopen(create_exclusive(tmp, self._file_mode, dir_fd), "wb") as f:
+                created = tmp
+                write_entry(f, self.fingerprint, key, pending[0], self._mac_key)
+                f.flush()
                 if self.fsync:
-                    f.flush()
                     os.fsync(f.fileno())
+                st = os.fstat(f.fileno())
+            with self._lock:
+                if self._pending.get(key) is not pending:
+                    return  # deleted or cleared meanwhile: never resurrect it
+                del self._pending[key]
+                self._pending_bytes -= pending[1]
+                self._evict_to(self.capacity - pending[1])
+                os.replace(tmp, self.path_of(key).name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                created = None
+                if key not in self._index:
+                    self._used += pending[1]
+                self._index[key] = pending[1]
+                self._index.move_to_end(key)
+                self._written[key] = (st.st_dev, st.st_ino)
+                self._kept.pop(key, None)
+                self._stats.puts += 1
         except Exception as e:  # a writer thread must survive anything: flush() waits on it
             what = getattr(e, "errno", None) or type(e).__name__
             self._warn_once(f"write:{what}", "hybridkv: disk tier cannot write %s: %s", tmp, e)
-            self._discard(tmp)
             with self._lock:
                 self._stats.write_errors += 1
                 if self._pending.get(key) is pending:
                     del self._pending[key]
                     self._pending_bytes -= pending[1]
-            return
-        with self._lock:
-            if self._pending.get(key) is not pending:
-                self._discard(tmp)  # deleted or cleared meanwhile: never resurrect it
-                return
-            del self._pending[key]
-            self._pending_bytes -= size
-            self._evict_to(self.capacity - size)
-            try:
-                os.replace(tmp, final)
-            except OSError as e:
-                self._discard(tmp)
-                self._stats.write_errors += 1
-                self._warn_once(f"rename:{e.errno}", "hybridkv: disk tier rename failed: %s", e)
-                return
-            if key not in self._index:
-                self._used += size
-            self._index[key] = size
-            self._index.move_to_end(key)
-            self._stats.puts += 1
+        finally:
+            if created is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(created, dir_fd=dir_fd)
+            if dir_fd is not None:
+                os.close(dir_fd)
 
     @staticmethod
-    def _discard(path: Path) -> None:
+    def _discard(path: Path, file_id: tuple[int, int] | None = None) -> None:
+        """Remove `path`; with `file_id` (st_dev, st_ino) only while it names that file."""
         with contextlib.suppress(OSError):
+            if file_id is not None:
+                st = os.lstat(path)
+                if (st.st_dev, st.st_ino) != file_id:
+                    return
             os.unlink(path)

@@ -1,31 +1,46 @@
-"""On-disk entry files: a 64-byte self-describing header, then the canonical payload.
+"""On-disk entry files: a 64-byte self-describing header, the canonical payload, and with
+an integrity key a MAC trailer.
 
-The format is documented in docs/format.md. Reading checks every header field and a
-checksum over header and payload before any byte can reach a KV cache; a mismatch raises
-`EntryFileError` naming the reason, which the disk tier counts and treats as a miss.
+The format is documented in docs/format.md. Reading checks every header field, the
+payload size the caller expects (before anything is allocated), a checksum over header
+and payload and, when keyed, a MAC, before any byte can reach a KV cache. A mismatch
+raises `EntryFileError` naming the reason; `damaged` tells the disk tier whether no
+reader at all can use the file (deleted) or another writer's reader may (left alone).
 """
 
 from __future__ import annotations
 
+import hmac
 import os
 import struct
 from collections.abc import Callable
 from typing import BinaryIO
 
+import blake3
 import torch
 import xxhash
 
 from hybridkv.core.keys import KEY_BYTES, split_group_key
+from hybridkv.core.tiers.files import NotRegularFile, open_regular
 
+# The magic never changes and the version follows it in every format to come: a file
+# with another magic is no hybridkv entry, one with another version may be a newer one.
 MAGIC = b"HYBRIDKV"
 FILE_VERSION = 1
-# magic, file version, header bytes, group id, reserved, layout fingerprint, chunk key,
+_PREFIX = struct.Struct("<8sH")
+# magic, file version, header bytes, group id, flags, layout fingerprint, chunk key,
 # payload bytes, checksum: little-endian, 64 bytes.
 _HEADER = struct.Struct(f"<8sHHHH16s{KEY_BYTES}sQQ")
 HEADER_BYTES = _HEADER.size
 _CHECKSUMMED = HEADER_BYTES - 8  # the checksum covers every header byte before it
+FLAG_MAC = 1  # a keyed blake3 MAC of header and payload follows the payload
+MAC_BYTES = 32
+_MAC_CONTEXT = "hybridkv 2025 entry file MAC key v1"
 # Reads go in pieces that stay in the CPU cache until hashed (bench/copy_path.py).
 _READ_PIECE = 256 << 10
+# Files another reader may still use: another format version, another integrity key (or
+# none), or no regular file at all. They are misses, never deleted.
+KEPT_REASONS = frozenset({"version", "keyed", "unkeyed", "mac", "not_regular"})
 
 
 class EntryFileError(Exception):
@@ -34,6 +49,25 @@ class EntryFileError(Exception):
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+        # (st_dev, st_ino) of the file read, so that only that file is ever deleted.
+        self.file_id: tuple[int, int] | None = None
+
+    @property
+    def damaged(self) -> bool:
+        """No reader of any hybridkv version or key can use the file."""
+        return self.reason not in KEPT_REASONS
+
+
+def derive_mac_key(integrity_key: str) -> bytes:
+    """The 32-byte MAC key of an `integrity_key` setting (blake3 key derivation)."""
+    h = blake3.blake3(derive_key_context=_MAC_CONTEXT)
+    h.update(integrity_key.encode())
+    return h.digest()
+
+
+def file_bytes(payload_bytes: int, keyed: bool) -> int:
+    """The size of an entry file holding `payload_bytes`."""
+    return HEADER_BYTES + payload_bytes + (MAC_BYTES if keyed else 0)
 
 
 def _checksum(head: bytes, payload: memoryview) -> int:
@@ -42,16 +76,28 @@ def _checksum(head: bytes, payload: memoryview) -> int:
     return h.intdigest()
 
 
-def write_entry(f: BinaryIO, fingerprint: bytes, key: bytes, entry: torch.Tensor) -> int:
-    """Write header and payload of one entry to `f`; returns the file's size."""
+def write_entry(
+    f: BinaryIO,
+    fingerprint: bytes,
+    key: bytes,
+    entry: torch.Tensor,
+    mac_key: bytes | None = None,
+) -> int:
+    """Write one entry to `f` (with a MAC trailer under `mac_key`); returns the file's size."""
     chunk_key, group = split_group_key(key)
     payload = memoryview(entry.numpy()).cast("B")
+    flags = FLAG_MAC if mac_key is not None else 0
     head = _HEADER.pack(
-        MAGIC, FILE_VERSION, HEADER_BYTES, group, 0, fingerprint, chunk_key, len(payload), 0
+        MAGIC, FILE_VERSION, HEADER_BYTES, group, flags, fingerprint, chunk_key, len(payload), 0
     )
-    f.write(head[:_CHECKSUMMED] + _checksum(head, payload).to_bytes(8, "little"))
+    head = head[:_CHECKSUMMED] + _checksum(head, payload).to_bytes(8, "little")
+    f.write(head)
     f.write(payload)
-    return HEADER_BYTES + len(payload)
+    if mac_key is not None:
+        mac = blake3.blake3(head, key=mac_key)
+        mac.update(payload)
+        f.write(mac.digest())
+    return file_bytes(len(payload), mac_key is not None)
 
 
 def new_entry(nbytes: int) -> torch.Tensor:
@@ -63,38 +109,85 @@ def read_entry(
     path: str | os.PathLike,
     fingerprint: bytes,
     key: bytes,
+    *,
+    payload_bytes: int | None = None,
     alloc: Callable[[int], torch.Tensor] = new_entry,
+    mac_key: bytes | None = None,
 ) -> torch.Tensor:
-    """Read and verify one entry into `alloc(payload bytes)`; raises EntryFileError (or
-    OSError: missing, I/O)."""
-    with open(path, "rb", buffering=0) as f:
-        head = f.read(HEADER_BYTES)
-        if len(head) < HEADER_BYTES:
-            raise EntryFileError("truncated", f"{len(head)}-byte header")
-        magic, version, header_bytes, group, _, file_fp, chunk_key, n, checksum = _HEADER.unpack(
-            head
+    """Read and verify one entry into `alloc(payload bytes)`.
+
+    `payload_bytes`: the size an entry of this key has (None: whatever the header says,
+    still checked against the file's size). `mac_key`: read only files with a MAC under
+    this key (None: only files without one). Raises EntryFileError, or OSError (missing,
+    I/O). A symbolic link is never followed; a FIFO never blocks.
+    """
+    try:
+        fd, st = open_regular(path)
+    except NotRegularFile as e:
+        raise EntryFileError("not_regular", str(e)) from e
+    with open(fd, "rb", buffering=0) as f:
+        try:
+            return _read(f, st.st_size, fingerprint, key, payload_bytes, alloc, mac_key)
+        except EntryFileError as e:
+            e.file_id = (st.st_dev, st.st_ino)
+            raise
+
+
+def _read(
+    f: BinaryIO,
+    size: int,
+    fingerprint: bytes,
+    key: bytes,
+    payload_bytes: int | None,
+    alloc: Callable[[int], torch.Tensor],
+    mac_key: bytes | None,
+) -> torch.Tensor:
+    head = f.read(HEADER_BYTES)
+    if len(head) < _PREFIX.size:
+        raise EntryFileError("truncated", f"{len(head)}-byte file")
+    magic, version = _PREFIX.unpack_from(head)
+    if magic != MAGIC:
+        raise EntryFileError("magic", f"not a hybridkv entry ({magic!r})")
+    if version != FILE_VERSION:
+        raise EntryFileError("version", f"file version {version}, not {FILE_VERSION}")
+    if len(head) < HEADER_BYTES:
+        raise EntryFileError("truncated", f"{len(head)}-byte header")
+    _, _, header_bytes, group, flags, file_fp, chunk_key, n, checksum = _HEADER.unpack(head)
+    if header_bytes != HEADER_BYTES or flags & ~FLAG_MAC:
+        raise EntryFileError("header", f"header {header_bytes} B, flags {flags:#x}")
+    if file_fp != fingerprint:
+        raise EntryFileError("layout", f"written for layout {file_fp.hex()}")
+    if (chunk_key, group) != split_group_key(key):
+        raise EntryFileError("key", "holds another entry than its name says")
+    if payload_bytes is not None and n != payload_bytes:
+        raise EntryFileError("size", f"{n}-byte payload, the layout's entries hold {payload_bytes}")
+    keyed = bool(flags & FLAG_MAC)
+    if size != file_bytes(n, keyed):
+        raise EntryFileError("truncated", f"{size} bytes on disk, header says {n} + header")
+    if keyed != (mac_key is not None):
+        raise EntryFileError(
+            "keyed" if keyed else "unkeyed",
+            "written with an integrity key" if keyed else "written without an integrity key",
         )
-        if magic != MAGIC:
-            raise EntryFileError("magic", f"not a hybridkv entry ({magic!r})")
-        if version != FILE_VERSION or header_bytes != HEADER_BYTES:
-            raise EntryFileError("version", f"file version {version}, header {header_bytes} B")
-        if file_fp != fingerprint:
-            raise EntryFileError("layout", f"written for layout {file_fp.hex()}")
-        if (chunk_key, group) != split_group_key(key):
-            raise EntryFileError("key", "holds another entry than its name says")
-        size = os.fstat(f.fileno()).st_size
-        if size != HEADER_BYTES + n:
-            raise EntryFileError("truncated", f"{size} bytes on disk, header says {n} + header")
-        out = alloc(n)
-        view = memoryview(out.numpy()).cast("B")
-        h = xxhash.xxh3_64(head[:_CHECKSUMMED])
-        got = 0
-        while got < n:
-            r = f.readinto(view[got : got + _READ_PIECE])
-            if not r:
-                raise EntryFileError("truncated", f"file ended after {got} of {n} bytes")
-            h.update(view[got : got + r])  # while the piece is still in cache
-            got += r
-        if h.intdigest() != checksum:
-            raise EntryFileError("checksum", "payload or header changed since written")
-        return out
+    out = alloc(n)
+    view = memoryview(out.numpy()).cast("B")
+    h = xxhash.xxh3_64(head[:_CHECKSUMMED])
+    mac = blake3.blake3(head, key=mac_key) if mac_key is not None else None
+    got = 0
+    while got < n:
+        r = f.readinto(view[got : got + _READ_PIECE])
+        if not r:
+            raise EntryFileError("truncated", f"file ended after {got} of {n} bytes")
+        h.update(view[got : got + r])  # while the piece is still in cache
+        if mac is not None:
+            mac.update(view[got : got + r])
+        got += r
+    if h.intdigest() != checksum:
+        raise EntryFileError("checksum", "payload or header changed since written")
+    if mac is not None:
+        trailer = f.read(MAC_BYTES)
+        if len(trailer) < MAC_BYTES:
+            raise EntryFileError("truncated", "file ended in its MAC")
+        if not hmac.compare_digest(trailer, mac.digest()):
+            raise EntryFileError("mac", "written under another integrity key, or forged")
+    return out
