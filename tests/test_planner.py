@@ -157,7 +157,6 @@ def test_store_plan_covers_every_block_exactly_once(p, n_chunks, data):
 @settings(max_examples=120, deadline=None)
 @given(p=planners(), n_chunks=st.integers(1, 5), data=st.data())
 def test_store_plan_skips_null_blocks_and_incomplete_chunks(p, n_chunks, data):
-    C = p.chunk_tokens
     ids = data.draw(ids_with_nulls(p, n_chunks), label="ids")
     plan = p.store_plan(range(n_chunks), ids)
     assert all(b != NULL_BLOCK for c in plan for b in c.block_ids)

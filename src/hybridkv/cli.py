@@ -55,7 +55,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"prompt tokens            {len(prompt)}")
     hit, native_hit = restored.num_cached_tokens, native.num_cached_tokens
     print(f"tokens restored          {hit} (native hit: {native_hit})")
-    print(f"blocks loaded            {ws.stats.loaded_blocks}, entries stored {ws.stats.stored_entries}")
+    stats = ws.stats
+    print(f"blocks loaded            {stats.loaded_blocks}, entries stored {stats.stored_entries}")
     print(f"TTFT cold                {t_cold * 1e3:8.1f} ms")
     print(f"TTFT native prefix hit   {t_native * 1e3:8.1f} ms")
     speedup = t_cold / t_restored
