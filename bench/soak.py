@@ -1,0 +1,403 @@
+"""Soak: an OpenAI-compatible vLLM server with hybridkv under a random mixed workload for
+minutes, watching for what short tests miss: errors that build up, memory that grows,
+entries that stay held, a hit rate that decays.
+
+The server is the one users run (`python -m vllm.entrypoints.openai.api_server`, started
+by tests/serving.py). Closed-loop clients, seeded, pick among:
+  new        a fresh prompt
+  document   one of a few shared documents plus a new question
+  repeat     a prompt served before (its earlier output is the reference)
+  turn       a conversation's next turn: previous prompt + its output + new text
+  abort      a request abandoned mid-flight (a stream closed or a task cancelled)
+and every so often a burst of many requests at once. Each interval records requests,
+errors, aborts, latency, the server's RSS (all its processes), vLLM's preemptions and
+hybridkv's `hybridkv stats` log line (held entries, hit rate); JSON goes to
+bench/results/soak.json, the server log beside it.
+
+    .venv/bin/python bench/soak.py                      # 10 minutes, qwen3-next tiny
+    .venv/bin/python bench/soak.py --minutes 1 --interval 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common import RESULTS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import serving  # noqa: E402  (the test harness: one way to start and drive the server)
+
+MAX_PROMPT = 3500  # max_model_len 4096 less room for the answer
+KINDS = {"new": 0.2, "document": 0.25, "repeat": 0.2, "turn": 0.2, "abort": 0.15}
+
+
+@dataclass
+class Interval:
+    """What happened between two samples."""
+
+    t_s: float = 0.0
+    ok: int = 0
+    errors: int = 0
+    aborted: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    repeats_compared: int = 0
+    repeat_mismatches: int = 0
+    latencies_s: list[float] = field(default_factory=list)
+    error_samples: list[str] = field(default_factory=list)
+    mismatch_samples: list[dict[str, int]] = field(default_factory=list)
+
+
+@dataclass
+class Served:
+    output: list[int]
+    cached: int
+
+
+class Workload:
+    """The seeded random choices: prompts, kinds, delays. Holds what was served so that
+    repeats and next turns can be built from it."""
+
+    def __init__(self, seed: int, docs: int, doc_tokens: int) -> None:
+        self.rng = random.Random(seed)
+        self.docs = [serving.tokens(doc_tokens, seed * 1000 + d) for d in range(docs)]
+        self.served: dict[tuple[int, ...], Served] = {}
+        self.conversations: list[list[int]] = []
+
+    def text(self, lo: int, hi: int) -> list[int]:
+        return [self.rng.randrange(1, 2000) for _ in range(self.rng.randint(lo, hi))]
+
+    def kind(self) -> str:
+        return self.rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+
+    def prompt(self, kind: str) -> list[int]:
+        if kind == "document":
+            return self.rng.choice(self.docs) + self.text(20, 200)
+        if kind == "repeat" and self.served:
+            return list(self.rng.choice(list(self.served)))
+        if kind == "turn" and self.conversations:
+            prompt = self.conversations.pop(self.rng.randrange(len(self.conversations)))
+            nxt = prompt + self.text(20, 200)
+            if len(nxt) <= MAX_PROMPT:
+                return nxt
+        return self.text(100, 2500)
+
+    def record(self, prompt: list[int], output: list[int], cached: int) -> None:
+        key = tuple(prompt)
+        self.served.setdefault(key, Served(output, cached))
+        if len(prompt) + len(output) < MAX_PROMPT:
+            self.conversations.append(prompt + output)
+        if len(self.conversations) > 64:
+            self.conversations.pop(0)
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first differing token (the shorter length if one is a prefix)."""
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+
+
+class Soak:
+    def __init__(self, srv: serving.Server, wl: Workload, args: argparse.Namespace) -> None:
+        self.srv = srv
+        self.wl = wl
+        self.args = args
+        self.current = Interval()
+        self.intervals: list[dict[str, Any]] = []
+        self.client = srv.client(timeout=300)
+        self.start = time.monotonic()
+        self.deadline = self.start + args.minutes * 60
+        self.log_offset = 0
+        self.last_stats: dict[str, Any] | None = None
+        self.stats_seen = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    async def request(self, kind: str) -> None:
+        """One request of `kind`; its outcome goes into the current interval."""
+        prompt = self.wl.prompt(kind)
+        if kind == "abort":
+            await self.abort(prompt)
+            return
+        t = time.monotonic()
+        try:
+            c = await serving.complete(self.client, self.srv.model, prompt, self.args.max_tokens)
+        except Exception as e:  # every failure counts; the soak goes on
+            self.current.errors += 1
+            if len(self.current.error_samples) < 5:
+                self.current.error_samples.append(f"{type(e).__name__}: {e}"[:300])
+            return
+        self.current.latencies_s.append(time.monotonic() - t)
+        self.current.ok += 1
+        self.current.prompt_tokens += c.prompt_tokens
+        self.current.cached_tokens += c.cached_tokens
+        self.check_repeat(prompt, c)
+        self.wl.record(prompt, c.token_ids, c.cached_tokens)
+
+    def check_repeat(self, prompt: list[int], c: serving.Completion) -> None:
+        """A repeat must give its first output where the comparison is exact: always on
+        models without sliding windows, on Gemma-3 only at the same hit length (its CPU
+        kernels round with where a hit ends). A preempted request may also differ: a
+        resumed request recomputes its output tokens as a prefill."""
+        before = self.wl.served.get(tuple(prompt))
+        if before is None or (self.args.arch == "gemma3" and before.cached != c.cached_tokens):
+            return
+        self.current.repeats_compared += 1
+        if before.output != c.token_ids:
+            self.current.repeat_mismatches += 1
+            at = first_difference(before.output, c.token_ids)
+            if len(self.current.mismatch_samples) < 5:
+                self.current.mismatch_samples.append(
+                    {
+                        "prompt_tokens": len(prompt),
+                        "first_cached": before.cached,
+                        "cached": c.cached_tokens,
+                        "first_difference": at,
+                    }
+                )
+
+    async def abort(self, prompt: list[int]) -> None:
+        """A client that gives up: half close a stream after a few chunks, half cancel."""
+        rng = self.wl.rng
+        try:
+            if rng.random() < 0.5:
+                await serving.stream_then_close(
+                    self.client, self.srv.model, prompt, after=rng.randint(1, 6)
+                )
+            else:
+                body = serving.complete(self.client, self.srv.model, prompt, 64, ignore_eos=True)
+                await serving.cancel_after(body, rng.uniform(0.05, 2.0))
+        except Exception as e:
+            self.current.errors += 1
+            if len(self.current.error_samples) < 5:
+                self.current.error_samples.append(f"abort {type(e).__name__}: {e}"[:300])
+            return
+        self.current.aborted += 1
+
+    async def client_loop(self) -> None:
+        while time.monotonic() < self.deadline and self.srv.alive():
+            await self.request(self.wl.kind())
+            await asyncio.sleep(self.wl.rng.uniform(0, self.args.think_s))
+
+    async def bursts(self) -> None:
+        """Every so often, many requests at once (mixed kinds)."""
+        while True:
+            pause = self.wl.rng.uniform(0.5, 1.5) * self.args.burst_every_s
+            await asyncio.sleep(max(0.0, min(pause, self.deadline - time.monotonic())))
+            if time.monotonic() >= self.deadline or not self.srv.alive():
+                return
+            n = self.wl.rng.randint(self.args.burst // 2, self.args.burst)
+            await asyncio.gather(*(self.request(self.wl.kind()) for _ in range(n)))
+
+    # ---- samples -------------------------------------------------------------------------
+    def read_stats(self) -> None:
+        """The newest `hybridkv stats` record in the log since the last read."""
+        with open(self.srv.log_path, errors="replace") as f:
+            f.seek(self.log_offset)
+            new = f.read()
+            self.log_offset = f.tell()
+        records = serving.hybridkv_stats(new.splitlines())
+        if records:
+            self.last_stats = records[-1]
+            self.stats_seen += len(records)
+
+    async def sample(self) -> dict[str, Any]:
+        iv, self.current = self.current, Interval()
+        iv.t_s = round(time.monotonic() - self.start, 1)
+        self.read_stats()
+        try:
+            metrics = await self.srv.ametrics()
+        except Exception:
+            metrics = {}
+        row = asdict(iv)
+        lat = row.pop("latencies_s")
+        row["p50_latency_s"] = round(statistics.median(lat), 3) if lat else None
+        row["max_latency_s"] = round(max(lat), 3) if lat else None
+        row["rss_mib"] = round(self.srv.rss_bytes() / serving.MiB, 1)
+        row["alive"] = self.srv.alive()
+        row["preemptions_total"] = metrics.get("vllm:num_preemptions_total")
+        row["running"] = metrics.get("vllm:num_requests_running")
+        row["waiting"] = metrics.get("vllm:num_requests_waiting")
+        row["hybridkv"] = self.last_stats
+        self.intervals.append(row)
+        print(format_row(row, self.intervals), flush=True)
+        return row
+
+    async def sampler(self) -> None:
+        while time.monotonic() < self.deadline and self.srv.alive():
+            await asyncio.sleep(min(self.args.interval, max(0.1, self.deadline - time.monotonic())))
+            await self.sample()
+
+    async def run(self) -> None:
+        print(HEADER, flush=True)
+        tasks = [self.client_loop() for _ in range(self.args.clients)]
+        await asyncio.gather(self.sampler(), self.bursts(), *tasks)
+        await self.sample()  # what finished after the last tick
+        await self.client.close()
+
+
+HEADER = (
+    f"{'t s':>7}{'ok':>6}{'err':>5}{'abort':>6}{'p50 s':>7}{'cached%':>8}{'hkv hit%':>9}"
+    f"{'held':>6}{'entries':>8}{'RSS MiB':>9}{'preempt':>8}{'mism':>5}"
+)
+
+
+def hit_rate(prev: dict | None, cur: dict | None) -> float | None:
+    """hybridkv's hit tokens over queried tokens between two stats records."""
+    if not cur:
+        return None
+    p = prev or {}
+    queried = cur.get("queried_tokens", 0) - p.get("queried_tokens", 0)
+    hits = cur.get("hit_tokens", 0) - p.get("hit_tokens", 0)
+    return 100 * hits / queried if queried > 0 else None
+
+
+def cpu_entries(stats: dict | None) -> int | None:
+    return ((stats or {}).get("tiers") or {}).get("cpu", {}).get("entries")
+
+
+def format_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    prev = rows[-2]["hybridkv"] if len(rows) > 1 else None
+    stats = row["hybridkv"]
+    hr = hit_rate(prev, stats)
+    cached = 100 * row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0
+    return (
+        f"{row['t_s']:7.0f}{row['ok']:6}{row['errors']:5}{row['aborted']:6}"
+        f"{_num(row['p50_latency_s'], 7, 2)}{cached:8.1f}{_num(hr, 9, 1)}"
+        f"{_num((stats or {}).get('held_entries'), 6, 0)}{_num(cpu_entries(stats), 8, 0)}"
+        f"{row['rss_mib']:9.0f}{_num(row['preemptions_total'], 8, 0)}"
+        f"{row['repeat_mismatches']:5}"
+    )
+
+
+def _num(v: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:{width}.{digits}f}"
+
+
+def totals(intervals: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("ok", "errors", "aborted", "prompt_tokens", "cached_tokens")
+    out: dict[str, Any] = {k: sum(r[k] for r in intervals) for k in keys}
+    out["repeats_compared"] = sum(r["repeats_compared"] for r in intervals)
+    out["repeat_mismatches"] = sum(r["repeat_mismatches"] for r in intervals)
+    rss = [r["rss_mib"] for r in intervals if r["rss_mib"]]
+    if rss:
+        out["rss_mib_first"], out["rss_mib_last"], out["rss_mib_max"] = rss[0], rss[-1], max(rss)
+    stats = [r["hybridkv"] for r in intervals if r["hybridkv"]]
+    if stats:
+        out["hybridkv_hit_rate_pct"] = hit_rate(None, stats[-1])
+        out["held_entries_last"] = stats[-1].get("held_entries")
+        out["held_entries_max"] = max(s.get("held_entries", 0) for s in stats)
+    return out
+
+
+def start(args: argparse.Namespace) -> serving.Server:
+    from hybridkv.models import default_model_dir, make_model
+
+    model = make_model(args.arch, args.model or default_model_dir(args.arch, args.size), args.size)
+    extra: dict[str, Any] = {"cpu_bytes": args.cpu_bytes}
+    if args.disk_path:
+        extra.update(disk_path=args.disk_path, disk_bytes=args.disk_bytes)
+    return serving.start_server(
+        str(model),
+        args.log,
+        extra,
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_num_seqs=args.max_num_seqs,
+        extra_args=("--shutdown-timeout", "30"),
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="qwen3-next", choices=["qwen3-next", "gemma3", "qwen3"])
+    p.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--model", help="model directory (default: made under $HYBRIDKV_HOME)")
+    p.add_argument("--minutes", type=float, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--interval", type=float, default=30, help="seconds between samples")
+    p.add_argument("--clients", type=int, default=6, help="closed-loop clients")
+    p.add_argument("--think-s", type=float, default=0.5, help="max pause between requests")
+    p.add_argument("--burst", type=int, default=32, help="largest burst (requests at once)")
+    p.add_argument("--burst-every-s", type=float, default=45)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--docs", type=int, default=8, help="shared documents")
+    p.add_argument("--doc-tokens", type=int, default=1200)
+    p.add_argument("--kv-cache-bytes", type=int, default=32 << 20, help="vLLM's KV cache")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--cpu-bytes", default="256MiB")
+    p.add_argument("--disk-path", help="hybridkv disk tier directory (default: off)")
+    p.add_argument("--disk-bytes", default="2GiB")
+    p.add_argument("--json", type=Path, default=RESULTS / "soak.json")
+    p.add_argument("--log", type=Path, default=RESULTS / "soak-server.log")
+    args = p.parse_args()
+
+    srv = start(args)
+    soak = Soak(srv, Workload(args.seed, args.docs, args.doc_tokens), args)
+    try:
+        asyncio.run(soak.run())
+    finally:
+        code = srv.stop()
+    problems = serving.log_problems(srv.log_lines())
+    result = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": os.uname().nodename,
+        "totals": totals(soak.intervals),
+        "intervals": soak.intervals,
+        "server": {
+            "exit_code": code,
+            "died": any(not r["alive"] for r in soak.intervals),
+            "log": str(args.log),
+            "log_problem_lines": len(problems),
+            "log_problems": problems[:40],
+            "hybridkv_stats_records": soak.stats_seen,
+        },
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print_summary(result)
+    print(f"wrote {args.json}; server log {args.log}")
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    t, s = result["totals"], result["server"]
+    cached = 100 * t["cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0
+    rows = [
+        ("requests ok / errors / aborted", f"{t['ok']} / {t['errors']} / {t['aborted']}"),
+        ("prompt tokens cached (vLLM + hybridkv)", f"{cached:.1f}%"),
+        ("hybridkv hit rate (hit / queried tokens)", _pct(t.get("hybridkv_hit_rate_pct"))),
+        (
+            "held entries last / max",
+            f"{t.get('held_entries_last', '-')} / {t.get('held_entries_max', '-')}",
+        ),
+        (
+            "server RSS MiB first / last / max",
+            f"{t.get('rss_mib_first', '-')} / {t.get('rss_mib_last', '-')} / "
+            f"{t.get('rss_mib_max', '-')}",
+        ),
+        ("repeats compared / mismatched", f"{t['repeats_compared']} / {t['repeat_mismatches']}"),
+        ("server exit code / died", f"{s['exit_code']} / {s['died']}"),
+        ("error lines in server log", str(s["log_problem_lines"])),
+        ("hybridkv stats records seen", str(s["hybridkv_stats_records"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print()
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}%"
+
+
+if __name__ == "__main__":
+    main()

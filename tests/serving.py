@@ -1,0 +1,466 @@
+"""A real OpenAI-compatible vLLM server with hybridkv, in a subprocess on loopback.
+
+Why a subprocess: users run hybridkv inside `python -m vllm.entrypoints.openai.api_server`,
+where the engine core is its own process, requests arrive concurrently over HTTP, clients
+disconnect, and the server is stopped by a signal. The in-process engine tests cannot see
+any of that. Used by tests/test_server.py and bench/soak.py, so it imports neither pytest
+nor the test fixtures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from openai import AsyncOpenAI
+
+CONNECTOR = {
+    "kv_connector": "HybridKVConnector",
+    "kv_connector_module_path": "hybridkv.vllm",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
+MiB = 1 << 20
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    """Seeded random token ids in [1, 2000): every tiny model's vocabulary holds them."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, 2000) for _ in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def logging_config(level: str = "INFO") -> dict[str, Any]:
+    """vLLM's default logging config plus a `hybridkv` logger on the same handler.
+
+    hybridkv logs through `logging.getLogger("hybridkv...")`; vLLM configures only its
+    own `vllm` logger, so without this hybridkv's INFO records (its stats line, start-up
+    layout) never reach the server log and its warnings arrive without a prefix."""
+    fmt = (
+        "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s "
+        "[%(fileinfo)s:%(lineno)d] %(message)s"
+    )
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {
+            "vllm": {
+                "()": "vllm.logging_utils.NewLineFormatter",
+                "datefmt": "%m-%d %H:%M:%S",
+                "format": fmt,
+                "log_level": level,
+            }
+        },
+        "handlers": {
+            "vllm": {
+                "class": "logging.StreamHandler",
+                "formatter": "vllm",
+                "level": level,
+                "stream": "ext://sys.stdout",
+            }
+        },
+        "loggers": {
+            name: {"handlers": ["vllm"], "level": level, "propagate": False}
+            for name in ("vllm", "hybridkv")
+        },
+    }
+
+
+def server_env(log_config: Path) -> dict[str, str]:
+    """The server's environment: nothing downloaded, POST /reset_prefix_cache available,
+    hybridkv's log records in the server log (`logging_config`), and
+    VLLM_ENABLE_V1_MULTIPROCESSING=0. The API server still runs the engine core in a
+    process of its own (AsyncLLM always does), but on the CPU build that variable is what
+    keeps the model worker inside the engine-core process: otherwise vLLM's CPU platform
+    switches the 'uni' executor to 'mp', the worker gets a third process, and hybridkv's
+    scheduler and worker sides could not share one store (hybridkv refuses to start)."""
+    env = dict(os.environ)
+    env.update(
+        VLLM_SERVER_DEV_MODE="1",
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_LOGGING_CONFIG_PATH=str(log_config),
+    )
+    return env
+
+
+def server_command(
+    model: str,
+    port: int,
+    extra_config: dict[str, Any],
+    kv_cache_bytes: int,
+    max_num_seqs: int = 16,
+    extra_args: tuple[str, ...] = (),
+    connector: bool = True,
+) -> list[str]:
+    """The server's command line; `connector=False` gives the same server without
+    hybridkv (a baseline)."""
+    ktc = dict(CONNECTOR, kv_connector_extra_config=extra_config)
+    hybridkv = [
+        "--kv-transfer-config",
+        json.dumps(ktc),
+        # hybridkv's two sides share one store in one process: the CPU platform's default
+        # 'mp' executor would put the worker in a process of its own (hybridkv refuses).
+        "--distributed-executor-backend",
+        "uni",
+    ]
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--skip-tokenizer-init",
+        "--enable-prompt-tokens-details",
+        "--enable-prefix-caching",
+        "--enforce-eager",
+        "--max-model-len",
+        "4096",
+        "--kv-cache-memory-bytes",
+        str(kv_cache_bytes),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        *(hybridkv if connector else ()),
+        *extra_args,
+    ]
+
+
+class ServerDied(RuntimeError):
+    pass
+
+
+@dataclass
+class Completion:
+    """One finished request: what a client sees."""
+
+    token_ids: list[int]
+    cached_tokens: int
+    prompt_tokens: int
+    finish_reason: str | None
+
+
+_RECORD = re.compile(r"^\((?P<proc>[^)]*)\) (?P<level>[A-Z]+) \S+ \S+ \[(?P<site>[^\]]+)\]")
+_STATS = re.compile(r"hybridkv stats (\{.*\})\s*$")
+_SHUTDOWN = "[shutdown] API server: shutdown triggered"
+
+
+def _record_key(line: str) -> tuple[str, str, str] | None:
+    """(process, level, file:line) of a vLLM log line; None for raw output."""
+    m = _RECORD.match(line)
+    return (m["proc"], m["level"], m["site"]) if m else None
+
+
+def log_records(lines: list[str]) -> list[list[str]]:
+    """Group lines into records: vLLM prefixes every line of a multi-line record (a
+    traceback) with the same process, level and file:line; other lines stand alone."""
+    records: list[list[str]] = []
+    prev = None
+    for ln in lines:
+        key = _record_key(ln)
+        if key is not None and key == prev:
+            records[-1].append(ln)
+        else:
+            records.append([ln])
+        prev = key
+    return records
+
+
+def _harmless(record: list[str], after_shutdown: bool) -> bool:
+    """Records that look like failures and are not:
+    - --skip-tokenizer-init makes the chat-template warm-up log a traceback at WARNING
+      (the quickstart notes it);
+    - on SIGTERM, the API server's output handler may log the engine core's exit as
+      EngineDeadError once shutdown has begun (a race in vLLM's shutdown; seen with and
+      without a clean engine-core exit log)."""
+    key = _record_key(record[0])
+    if key is None:
+        return False
+    _, level, _ = key
+    if level == "WARNING" and "Chat template warmup failed" in record[0]:
+        return True
+    return (
+        after_shutdown
+        and level == "ERROR"
+        and "AsyncLLM output_handler failed" in record[0]
+        and "EngineDeadError" in record[-1]
+    )
+
+
+def log_problems(lines: list[str]) -> list[str]:
+    """Lines of a server log that report an error (' ERROR ', 'CRITICAL', a traceback),
+    outside the known harmless records."""
+    bad = []
+    after_shutdown = False
+    for record in log_records(lines):
+        after_shutdown = after_shutdown or any(_SHUTDOWN in ln for ln in record)
+        if _harmless(record, after_shutdown):
+            continue
+        bad += [ln for ln in record if " ERROR " in ln or "CRITICAL" in ln or "Traceback" in ln]
+    return bad
+
+
+def hybridkv_stats(lines: list[str]) -> list[dict[str, Any]]:
+    """Every `hybridkv stats {json}` record in the log, oldest first (none if hybridkv
+    does not log them)."""
+    out = []
+    for ln in lines:
+        m = _STATS.search(ln)
+        if m:
+            try:
+                out.append(json.loads(m.group(1)))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {metric name: sum over its label sets}."""
+    out: dict[str, float] = {}
+    for ln in text.splitlines():
+        if not ln or ln.startswith("#"):
+            continue
+        name_labels, _, value = ln.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+@dataclass
+class Server:
+    """A running api_server subprocess (its own process group) and its log file."""
+
+    model: str
+    port: int
+    log_path: Path
+    proc: subprocess.Popen
+    command: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def client(self, timeout: float = 600) -> AsyncOpenAI:
+        """No retries: a failed request must show as a failure, not be hidden by a retry.
+        No kept-alive connections: the server closes idle ones after 5 s, and a request
+        sent on one it is closing fails with a connection error that is not the server's."""
+        http = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+            timeout=timeout,
+        )
+        return AsyncOpenAI(
+            base_url=self.base_url + "/v1",
+            api_key="none",
+            max_retries=0,
+            timeout=timeout,
+            http_client=http,
+        )
+
+    def log_lines(self, start: int = 0) -> list[str]:
+        return self.log_path.read_text(errors="replace").splitlines()[start:]
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_lines()[-n:])
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.base_url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ServerDied(f"server exited {self.proc.returncode}:\n{self.log_tail()}")
+            if self.healthy():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"server not healthy after {timeout} s:\n{self.log_tail()}")
+
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's own prefix cache, so the next hit must come from hybridkv."""
+        r = httpx.post(self.base_url + "/reset_prefix_cache", timeout=60)
+        r.raise_for_status()
+
+    def metrics(self) -> dict[str, float]:
+        r = httpx.get(self.base_url + "/metrics", timeout=30)
+        r.raise_for_status()
+        return parse_metrics(r.text)
+
+    async def ametrics(self) -> dict[str, float]:
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.get(self.base_url + "/metrics")
+            r.raise_for_status()
+            return parse_metrics(r.text)
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and all its children (engine core, workers)."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.NoSuchProcess:
+                continue
+        return total
+
+    def stop(self, grace: float = 60) -> int | None:
+        """SIGTERM (vLLM shuts the engine core down and hybridkv drains its disk queue),
+        then SIGKILL to the whole process group if it is still up after `grace` s.
+        Returns the server's exit code (None if it had to be killed)."""
+        graceful = True
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                graceful = False
+        self._kill_group()
+        self.proc.wait()
+        return self.proc.returncode if graceful else None
+
+    def _kill_group(self) -> None:
+        """The server started its own session: its pgid is its pid. Leftover children
+        (an engine core orphaned by a crash) go with it."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def start_server(
+    model: str,
+    log_path: Path,
+    extra_config: dict[str, Any] | None = None,
+    kv_cache_bytes: int = 64 * MiB,
+    max_num_seqs: int = 16,
+    extra_args: tuple[str, ...] = (),
+    timeout: float = 300,
+    connector: bool = True,
+    log_level: str = "INFO",
+) -> Server:
+    """Start a server and wait for /health; a start that fails is cleaned up and raises
+    with the log's tail."""
+    extra = {"cpu_bytes": "256MiB", **(extra_config or {})}
+    port = free_port()
+    cmd = server_command(model, port, extra, kv_cache_bytes, max_num_seqs, extra_args, connector)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_config = log_path.with_suffix(".logging.json")
+    log_config.write_text(json.dumps(logging_config(log_level)))
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=server_env(log_config),
+            start_new_session=True,
+        )
+    server = Server(model, port, log_path, proc, cmd)
+    try:
+        server.wait_healthy(timeout)
+    except BaseException:
+        server.stop(grace=10)
+        raise
+    return server
+
+
+async def complete(
+    client: AsyncOpenAI,
+    model: str,
+    prompt: list[int],
+    max_tokens: int = 16,
+    **extra: Any,
+) -> Completion:
+    """One greedy completion of a token-id prompt; `extra` goes to vLLM's extra_body."""
+    r = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"return_token_ids": True, **extra},
+    )
+    choice = r.choices[0]
+    details = r.usage.prompt_tokens_details if r.usage else None
+    return Completion(
+        token_ids=list(getattr(choice, "token_ids", None) or []),
+        cached_tokens=(details.cached_tokens or 0) if details else 0,
+        prompt_tokens=r.usage.prompt_tokens if r.usage else len(prompt),
+        finish_reason=choice.finish_reason,
+    )
+
+
+async def stream_then_close(
+    client: AsyncOpenAI, model: str, prompt: list[int], after: int, max_tokens: int = 64
+) -> int:
+    """A client that reads `after` streamed chunks and hangs up; returns chunks read."""
+    stream = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    read = 0
+    try:
+        async for _ in stream:
+            read += 1
+            if read >= after:
+                break
+    finally:
+        await stream.close()
+    return read
+
+
+async def cancel_after(coro: Any, delay: float) -> bool:
+    """Run `coro` and cancel it after `delay` s (a client that gives up); True if it was
+    cancelled before finishing."""
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=delay)
+    if done:
+        task.exception()  # retrieve, so a failure is not reported as never retrieved
+        return False
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    return True
+
+
+async def gather_all(coros: list[Any]) -> list[Any]:
+    """All at once; exceptions are returned in place, so every failure can be counted."""
+    return await asyncio.gather(*coros, return_exceptions=True)

@@ -1,0 +1,363 @@
+"""hybridkv the way users run it: vLLM's OpenAI-compatible server in a subprocess, many
+HTTP clients at once, clients that hang up, preemption, a restart on the same disk.
+
+One server per model serves the first three tests (a test that kills it gets a fresh one
+for the next test, so a crash fails only the test that caused it); the restart test
+starts its own two. Every test checks that all its requests succeeded (a dead engine
+fails every request still open) and that the server log shows no error or traceback.
+
+Output comparisons: on Qwen3-Next a recompute equals a restore bit for bit, so every
+output must match. On this CPU Gemma-3's kernels round differently with where a prefix
+hit ends (see test_engine_pressure.py), so there an output is compared with a reference
+that had a prefix hit of the same length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from serving import (
+    Completion,
+    MiB,
+    Server,
+    cancel_after,
+    complete,
+    gather_all,
+    hybridkv_stats,
+    log_problems,
+    start_server,
+    stream_then_close,
+    tokens,
+)
+
+pytestmark = pytest.mark.engine
+
+ARCHS = ("qwen3-next", "gemma3")
+# About a quarter of test (a)'s working set (10 documents of 1200 tokens + 50 questions of
+# 60, 15,000 tokens): Qwen3-Next's 12 MiB are 96 blocks of 256 tokens shared by its
+# attention group and three GDN groups (the size that took the engine down in issue 10);
+# Gemma-3's 8 MiB hold about 4,100 tokens across its full and sliding-window groups.
+KV_CACHE_BYTES = {"qwen3-next": 12 * MiB, "gemma3": 8 * MiB}
+DOC, QUESTION = 1200, 60
+# Every hit ends on a chunk boundary; chunks are 256 tokens on Qwen3-Next (vLLM's raised
+# attention block) and smaller on Gemma-3, so a stored document always restores at least
+# its first 1024 tokens.
+DOC_HIT = 1024
+# Lengths of single (unshared) prompts. On the API server vLLM 0.32's CPU build hands
+# hybridkv a Qwen3-Next prompt's recurrent state only for some lengths, with or without
+# hybridkv (vLLM alone then misses its own cache too; in-process engines get them all):
+# seen for (L - 1) mod 256 < 128, e.g. 300, 520, 1100, 1300 hit, 700, 900, 1260, 2000 do
+# not. These lengths are ones that can hit.
+SINGLE_LENGTHS = (300, 560, 800, 1050, 1300, 1600)
+
+
+# hybridkv's disk tier is on, as a user who wants restarts to hit would run it; vLLM's
+# default SIGTERM handling (--shutdown-timeout 0) kills the engine core at once, before
+# hybridkv can finish its queued disk writes, so the servers wait for it.
+SERVER_ARGS = ("--shutdown-timeout", "30")
+
+
+class ServerPool:
+    """At most one shared server at a time (the machine has two cores), with one disk
+    directory per model that outlives its servers; a dead server or one for another model
+    is replaced on the next `get`."""
+
+    def __init__(self, model_dirs: dict[str, str], root: Path) -> None:
+        self.model_dirs = model_dirs
+        self.root = root
+        self.arch: str | None = None
+        self.server: Server | None = None
+        self.starts = 0
+
+    def disk_path(self, arch: str) -> Path:
+        return self.root / "kv" / arch
+
+    def get(self, arch: str) -> Server:
+        if self.server is None or self.arch != arch or not self.server.healthy():
+            self.release()
+            self.starts += 1
+            self.server = start_server(
+                self.model_dirs[arch],
+                self.root / f"{arch}-{self.starts}.log",
+                {"disk_path": str(self.disk_path(arch)), "disk_bytes": "1GiB"},
+                kv_cache_bytes=KV_CACHE_BYTES[arch],
+                extra_args=SERVER_ARGS,
+            )
+            self.arch = arch
+        return self.server
+
+    def release(self) -> int | None:
+        """Stop the current server (SIGTERM); its exit code, None if it had to be killed."""
+        code = self.server.stop() if self.server is not None else None
+        self.server = None
+        return code
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request: pytest.FixtureRequest) -> str:
+    """Module scope: pytest runs every test of one model before starting the other's."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def pool(model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    p = ServerPool(model_dirs, tmp_path_factory.mktemp("servers"))
+    yield p
+    p.release()
+
+
+@pytest.fixture
+def server(arch: str, pool: ServerPool) -> Iterator[Server]:
+    """The shared server; the log lines this test caused must hold no error."""
+    srv = pool.get(arch)
+    start = len(srv.log_lines())
+    yield srv
+    assert_clean_log(srv, start)
+
+
+def assert_clean_log(srv: Server, start: int = 0) -> None:
+    problems = log_problems(srv.log_lines(start))
+    assert not problems, f"server log ({srv.log_path}) has errors:\n" + "\n".join(problems[:80])
+
+
+def assert_all_ok(srv: Server, results: list[Any]) -> list[Completion]:
+    """Every request succeeded; otherwise show the failures and the server's log tail
+    (a crashed engine leaves its traceback there)."""
+    failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+    if failed:
+        i, err = failed[0]
+        cause = f"{err!r} (cause {err.__cause__!r})"
+        problems = "\n".join(log_problems(srv.log_lines())[:80])
+        pytest.fail(
+            f"{len(failed)}/{len(results)} requests failed, first #{i}: {cause}; server "
+            f"alive={srv.alive()}\nerrors in {srv.log_path}:\n{problems}\n"
+            f"log tail:\n{srv.log_tail(30)}"
+        )
+    return results
+
+
+def documents_and_questions(
+    n_docs: int, per_doc: int, seed: int, question: int = QUESTION
+) -> list[list[int]]:
+    """Question-major order (doc0 q0, doc1 q0, ..., doc0 q1, ...): a document's later
+    questions arrive after other documents pushed it out of vLLM's own cache."""
+    docs = [tokens(DOC, seed + d) for d in range(n_docs)]
+    return [
+        docs[d] + tokens(question, seed + 1000 + q * n_docs + d)
+        for q in range(per_doc)
+        for d in range(n_docs)
+    ]
+
+
+def assert_same_outputs(
+    arch: str, reference: list[Completion], got: list[Completion], min_compared: float
+) -> int:
+    """Outputs equal wherever the comparison is exact (module docstring); at least
+    `min_compared` of the requests must have been compared. Returns how many were."""
+    compared = 0
+    for i, (a, b) in enumerate(zip(reference, got, strict=True)):
+        if arch == "qwen3-next" or a.cached_tokens == b.cached_tokens:
+            assert a.token_ids == b.token_ids, (i, a, b)
+            compared += 1
+    assert compared >= min_compared * len(got), (compared, len(got))
+    return compared
+
+
+async def run_all(srv: Server, prompts: list[list[int]], **kw: Any) -> list[Any]:
+    """All prompts at once, one client; failures returned in place."""
+    async with srv.client() as client:
+        return await gather_all([complete(client, srv.model, p, **kw) for p in prompts])
+
+
+async def run_limited(srv: Server, prompts: list[list[int]], limit: int, **kw: Any) -> list:
+    """At most `limit` requests in flight."""
+    sem = asyncio.Semaphore(limit)
+    async with srv.client() as client:
+
+        async def one(p: list[int]) -> Completion:
+            async with sem:
+                return await complete(client, srv.model, p, **kw)
+
+        return await gather_all([one(p) for p in prompts])
+
+
+# ---- (a) many concurrent requests on a KV cache a quarter of the working set ---------------
+def test_concurrent_shared_prefixes_twice_around_reset(arch: str, server: Server) -> None:
+    """50 requests at once (10 documents x 5 questions), twice, vLLM's prefix cache
+    emptied in between. vLLM alone cannot keep the documents (a quarter fits), and after
+    the reset it holds nothing: every round-2 request restoring at least the document's
+    first 1024 tokens can only come from hybridkv. Round 1 (first sight of every
+    document, later questions racing the first) had about half its prompt tokens
+    cached on Qwen3-Next and 73% on Gemma-3 in the runs this was written from; round 2
+    81% and 91% (every request at its largest boundary)."""
+    prompts = documents_and_questions(10, 5, seed=10_000)
+    first = assert_all_ok(server, asyncio.run(run_all(server, prompts)))
+    server.reset_prefix_cache()
+    second = assert_all_ok(server, asyncio.run(run_all(server, prompts)))
+
+    hits = [c.cached_tokens for c in second]
+    assert all(h >= DOC_HIT for h in hits), hits
+    assert sum(hits) > sum(c.cached_tokens for c in first)
+    assert all(len(c.token_ids) == 16 for c in first + second)
+    assert_same_outputs(arch, first, second, min_compared=0.6)
+
+
+# ---- (b) preemption while hits are restored ------------------------------------------------
+# Requests a reference run may have in flight without vLLM preempting any (Gemma-3's KV
+# cache holds about three of these prompts).
+PREEMPT_FREE = {"qwen3-next": 6, "gemma3": 3}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+def test_preemption_with_hits_in_flight(arch: str, server: Server) -> None:
+    """16 requests at once whose prompts hybridkv restores, on a KV cache that holds a
+    few: prompts end 10 tokens before a block boundary, so the running requests all need
+    a new block a few steps in and vLLM must preempt and later resume some. The reference
+    is the same requests run a few at a time (no preemption), which also stored them.
+
+    A resumed request recomputes its generated tokens as a prefill, which rounds
+    differently from the decode steps that first produced them: with vLLM alone (no
+    hybridkv) a preempted request's greedy tail diverged too. So a request may differ from
+    the reference only if it was preempted: at most as many requests as preemptions, and
+    on Qwen3-Next never in the first token (computed from the restored prompt, exact
+    whatever the hit length). Every other request must match token for token."""
+    prompts = documents_and_questions(4, 4, seed=20_000, question=70)
+    kw = {"max_tokens": 32, "ignore_eos": True}
+    server.reset_prefix_cache()
+    start = server.metrics().get("vllm:num_preemptions_total", 0.0)
+    reference = run_limited(server, prompts, PREEMPT_FREE[arch], **kw)
+    reference = assert_all_ok(server, asyncio.run(reference))
+    before = server.metrics().get("vllm:num_preemptions_total", 0.0)
+    assert before == start, "the reference run was preempted: lower PREEMPT_FREE"
+
+    server.reset_prefix_cache()
+    got = assert_all_ok(server, asyncio.run(run_all(server, prompts, **kw)))
+    preempted = server.metrics().get("vllm:num_preemptions_total", 0.0) - before
+    assert preempted > 0, "the workload no longer makes vLLM preempt: shrink the KV cache"
+    assert all(c.cached_tokens >= DOC_HIT for c in got), [c.cached_tokens for c in got]
+    assert all(len(c.token_ids) == 32 for c in got)
+
+    differ = {}
+    for i, (a, b) in enumerate(zip(reference, got, strict=True)):
+        if arch == "qwen3-next" or a.cached_tokens == b.cached_tokens:
+            at = first_difference(a.token_ids, b.token_ids)
+            if at is not None:
+                differ[i] = at
+    assert len(differ) <= preempted, (differ, preempted)
+    if arch == "qwen3-next":
+        assert all(at > 0 for at in differ.values()), differ
+
+
+# ---- (c) clients that hang up ---------------------------------------------------------------
+async def cancel_storm(srv: Server, prompts: list[list[int]], seed: int) -> None:
+    """Every prompt at once, each abandoned: half stream and hang up after a few chunks,
+    half are cancelled after a random delay (often mid-load or mid-prefill)."""
+    rng = random.Random(seed)
+    async with srv.client() as client:
+        jobs = []
+        for i, p in enumerate(prompts):
+            if i % 2:
+                jobs.append(stream_then_close(client, srv.model, p, after=rng.randint(1, 4)))
+            else:
+                body = complete(client, srv.model, p, max_tokens=64, ignore_eos=True)
+                jobs.append(cancel_after(body, rng.uniform(0.05, 1.5)))
+        out = await gather_all(jobs)
+    errors = [r for r in out if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+
+
+def wait_idle(srv: Server, timeout: float = 120) -> dict[str, float]:
+    """Until the engine has no request running or waiting (aborted ones released)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = srv.metrics()
+        busy = m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
+        if busy == 0:
+            return m
+        assert time.monotonic() < deadline, f"engine still busy: {busy} requests"
+        time.sleep(0.5)
+
+
+def fresh_stats(srv: Server, timeout: float = 30) -> dict[str, Any] | None:
+    """A `hybridkv stats` record logged from now on. hybridkv logs one at most every
+    10 s and only while the engine steps, so one-token requests keep it stepping. None if
+    none comes (a hybridkv that logs no such record)."""
+    start = len(srv.log_lines())
+    deadline = time.monotonic() + timeout
+    while True:
+        asyncio.run(run_all(srv, [[7]], max_tokens=1))
+        records = hybridkv_stats(srv.log_lines(start))
+        if records:
+            return records[-1]
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(1)
+
+
+def test_cancelled_requests_leave_server_correct(arch: str, server: Server) -> None:
+    """Clients abandon 24 requests mid-flight (hits being restored, prefills, decodes),
+    twice; afterwards the engine is idle again, and repeats and new prompts are served
+    with the reference outputs."""
+    repeats = documents_and_questions(4, 2, seed=30_000)
+    server.reset_prefix_cache()
+    reference = assert_all_ok(server, asyncio.run(run_all(server, repeats)))
+
+    for storm in range(2):
+        server.reset_prefix_cache()  # the storm's hits come from hybridkv
+        storm_prompts = documents_and_questions(4, 6, seed=30_000)
+        asyncio.run(cancel_storm(server, storm_prompts, seed=storm))
+        wait_idle(server)
+
+    server.reset_prefix_cache()
+    fresh = [tokens(n, 31_000 + n) for n in SINGLE_LENGTHS]
+    got = assert_all_ok(server, asyncio.run(run_all(server, repeats + fresh)))
+    assert all(c.cached_tokens >= DOC_HIT for c in got[: len(repeats)])
+    assert_same_outputs(arch, reference, got[: len(repeats)], min_compared=0.5)
+
+    server.reset_prefix_cache()
+    again = assert_all_ok(server, asyncio.run(run_all(server, fresh)))
+    assert all(c.cached_tokens > 0 for c in again), [c.cached_tokens for c in again]
+    assert_same_outputs(arch, got[len(repeats) :], again, min_compared=0.0)
+
+    # Nothing of the abandoned requests stays behind in hybridkv: with only a one-token
+    # request (no hit) in flight, no entry is held and at most that request is tracked.
+    stats = fresh_stats(server)
+    if stats is not None:
+        assert stats["held_entries"] == 0, stats
+        assert stats.get("tracked_requests", 0) <= 1, stats
+    assert server.healthy()
+
+
+# ---- (d) a restart on the same disk directory ----------------------------------------------
+def test_restart_on_same_disk_serves_hits(arch: str, pool: ServerPool) -> None:
+    """The shared server (disk tier on) serves new prompts cold and restored, is stopped
+    by SIGTERM and must exit by itself (engine core and hybridkv shut down, queued disk
+    writes finished); a new server on the same directory, its CPU tier and vLLM's cache
+    empty, restores the same prompts from disk: same hit lengths, same outputs."""
+    prompts = [tokens(n, 40_000 + n) for n in SINGLE_LENGTHS]
+    first = pool.get(arch)
+    cold = assert_all_ok(first, asyncio.run(run_all(first, prompts)))
+    first.reset_prefix_cache()
+    warm = assert_all_ok(first, asyncio.run(run_all(first, prompts)))
+    code = pool.release()
+    assert code == 0, f"server did not stop on SIGTERM (exit {code}):\n{first.log_tail()}"
+    assert not any("force killing" in ln for ln in first.log_lines()), first.log_tail()
+    assert_clean_log(first)
+
+    second = pool.get(arch)
+    restarted = assert_all_ok(second, asyncio.run(run_all(second, prompts)))
+    assert_clean_log(second)
+    assert all(c.cached_tokens == 0 for c in cold), [c.cached_tokens for c in cold]
+    assert all(c.cached_tokens > 0 for c in warm), [c.cached_tokens for c in warm]
+    assert [c.cached_tokens for c in restarted] == [c.cached_tokens for c in warm]
+    assert_same_outputs(arch, warm, restarted, min_compared=1.0)
+    assert_same_outputs(arch, cold, restarted, min_compared=0.0)
