@@ -1,15 +1,21 @@
 """hybridkv the way users run it: vLLM's OpenAI-compatible server in a subprocess, many
 HTTP clients at once, clients that hang up, preemption, a restart on the same disk.
 
-One server per model serves the first three tests (a test that kills it gets a fresh one
-for the next test, so a crash fails only the test that caused it); the restart test
-starts its own two. Every test checks that all its requests succeeded (a dead engine
-fails every request still open) and that the server log shows no error or traceback.
+One server per model (disk tier on) serves all four tests; a test that kills it gets a
+fresh one for the next test, so a crash fails only the test that caused it. The restart
+test stops it and starts the next on the same directory. Every test checks that all its
+requests succeeded (a dead engine fails every request still open) and that the server
+log shows no error or traceback. About 2.5 minutes for both models on 2 idle cores.
 
-Output comparisons: on Qwen3-Next a recompute equals a restore bit for bit, so every
-output must match. On this CPU Gemma-3's kernels round differently with where a prefix
-hit ends (see test_engine_pressure.py), so there an output is compared with a reference
-that had a prefix hit of the same length.
+Output comparisons: on Qwen3-Next a restore equals a recompute bit for bit when the
+request runs alone. On this CPU Gemma-3's kernels round differently with where a prefix
+hit ends (see test_engine_pressure.py), so there an output is compared only with a
+reference that had a prefix hit of the same length. Under concurrency both models' CPU
+kernels also vary, rarely, with the batch: test (a)'s workload on a server without
+hybridkv, whose second round took vLLM's own prefix hits, gave 6 requests in 30 runs whose
+greedy output left the first round's (from token 0 to 12; the first round matched the
+request run alone each time); with hybridkv, 3 in 30 (tokens 2 to 5). So a few outputs
+(`batch_noise`) may differ; a restore that is wrong shows in many.
 """
 
 from __future__ import annotations
@@ -155,18 +161,48 @@ def documents_and_questions(
     ]
 
 
-def assert_same_outputs(
-    arch: str, reference: list[Completion], got: list[Completion], min_compared: float
-) -> int:
-    """Outputs equal wherever the comparison is exact (module docstring); at least
-    `min_compared` of the requests must have been compared. Returns how many were."""
-    compared = 0
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (the shorter length if one is a prefix)."""
+    if a == b:
+        return None
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+
+
+def divergences(
+    arch: str, reference: list[Completion], got: list[Completion]
+) -> tuple[int, dict[int, int]]:
+    """(requests compared, {request: first differing token}) where the comparison is
+    exact (module docstring)."""
+    compared, differ = 0, {}
     for i, (a, b) in enumerate(zip(reference, got, strict=True)):
         if arch == "qwen3-next" or a.cached_tokens == b.cached_tokens:
-            assert a.token_ids == b.token_ids, (i, a, b)
             compared += 1
+            at = first_difference(a.token_ids, b.token_ids)
+            if at is not None:
+                differ[i] = at
+    return compared, differ
+
+
+def batch_noise(compared: int) -> int:
+    """Requests whose output may leave the reference because of the batch (module
+    docstring): 1 in 16, at least 1 (at most 2 of 50 were seen in one run)."""
+    return max(1, compared // 16)
+
+
+def assert_same_outputs(
+    arch: str,
+    reference: list[Completion],
+    got: list[Completion],
+    min_compared: float,
+    also_allowed: int = 0,
+) -> None:
+    """At least `min_compared` of the requests compared, and at most `batch_noise` +
+    `also_allowed` of those differ from their reference."""
+    compared, differ = divergences(arch, reference, got)
     assert compared >= min_compared * len(got), (compared, len(got))
-    return compared
+    allowed = batch_noise(compared) + also_allowed
+    assert len(differ) <= allowed, f"{len(differ)} outputs differ (at {differ}), {allowed} allowed"
 
 
 async def run_all(srv: Server, prompts: list[list[int]], **kw: Any) -> list[Any]:
@@ -214,10 +250,6 @@ def test_concurrent_shared_prefixes_twice_around_reset(arch: str, server: Server
 PREEMPT_FREE = {"qwen3-next": 6, "gemma3": 3}
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-
-
 def test_preemption_with_hits_in_flight(arch: str, server: Server) -> None:
     """16 requests at once whose prompts hybridkv restores, on a KV cache that holds a
     few: prompts end 10 tokens before a block boundary, so the running requests all need
@@ -226,10 +258,9 @@ def test_preemption_with_hits_in_flight(arch: str, server: Server) -> None:
 
     A resumed request recomputes its generated tokens as a prefill, which rounds
     differently from the decode steps that first produced them: with vLLM alone (no
-    hybridkv) a preempted request's greedy tail diverged too. So a request may differ from
-    the reference only if it was preempted: at most as many requests as preemptions, and
-    on Qwen3-Next never in the first token (computed from the restored prompt, exact
-    whatever the hit length). Every other request must match token for token."""
+    hybridkv) a preempted request's greedy tail diverged too. So at most as many requests
+    as preemptions (plus the batch noise, module docstring) may differ from the
+    reference."""
     prompts = documents_and_questions(4, 4, seed=20_000, question=70)
     kw = {"max_tokens": 32, "ignore_eos": True}
     server.reset_prefix_cache()
@@ -246,15 +277,7 @@ def test_preemption_with_hits_in_flight(arch: str, server: Server) -> None:
     assert all(c.cached_tokens >= DOC_HIT for c in got), [c.cached_tokens for c in got]
     assert all(len(c.token_ids) == 32 for c in got)
 
-    differ = {}
-    for i, (a, b) in enumerate(zip(reference, got, strict=True)):
-        if arch == "qwen3-next" or a.cached_tokens == b.cached_tokens:
-            at = first_difference(a.token_ids, b.token_ids)
-            if at is not None:
-                differ[i] = at
-    assert len(differ) <= preempted, (differ, preempted)
-    if arch == "qwen3-next":
-        assert all(at > 0 for at in differ.values()), differ
+    assert_same_outputs(arch, reference, got, min_compared=0.5, also_allowed=int(preempted))
 
 
 # ---- (c) clients that hang up ---------------------------------------------------------------
