@@ -203,7 +203,11 @@ class SchedulerSide:
         except Exception:
             log.exception("hybridkv: planning this step's stores failed; none are made")
             self.stats.hook_errors += 1
-        self._maybe_log_stats()
+        try:
+            self._maybe_log_stats()
+        except Exception:
+            log.exception("hybridkv: reading stats for the log failed")
+            self.stats.hook_errors += 1
         return meta
 
     def _plan_stores(self, out: SchedulerOutput) -> list[RequestStore]:
