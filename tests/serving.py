@@ -49,46 +49,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def logging_config(level: str = "INFO") -> dict[str, Any]:
-    """vLLM's default logging config plus a `hybridkv` logger on the same handler.
-
-    hybridkv logs through `logging.getLogger("hybridkv...")`; vLLM configures only its
-    own `vllm` logger, so without this hybridkv's INFO records (its stats line, start-up
-    layout) never reach the server log and its warnings arrive without a prefix."""
-    fmt = (
-        "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s "
-        "[%(fileinfo)s:%(lineno)d] %(message)s"
-    )
-    return {
-        "version": 1,
-        "disable_existing_loggers": False,
-        "formatters": {
-            "vllm": {
-                "()": "vllm.logging_utils.NewLineFormatter",
-                "datefmt": "%m-%d %H:%M:%S",
-                "format": fmt,
-                "log_level": level,
-            }
-        },
-        "handlers": {
-            "vllm": {
-                "class": "logging.StreamHandler",
-                "formatter": "vllm",
-                "level": level,
-                "stream": "ext://sys.stdout",
-            }
-        },
-        "loggers": {
-            name: {"handlers": ["vllm"], "level": level, "propagate": False}
-            for name in ("vllm", "hybridkv")
-        },
-    }
-
-
-def server_env(log_config: Path) -> dict[str, str]:
+def server_env() -> dict[str, str]:
     """The server's environment: nothing downloaded, POST /reset_prefix_cache available,
-    hybridkv's log records in the server log (`logging_config`), and
-    VLLM_ENABLE_V1_MULTIPROCESSING=0. The API server still runs the engine core in a
+    and VLLM_ENABLE_V1_MULTIPROCESSING=0. The API server still runs the engine core in a
     process of its own (AsyncLLM always does), but on the CPU build that variable is what
     keeps the model worker inside the engine-core process: otherwise vLLM's CPU platform
     switches the 'uni' executor to 'mp', the worker gets a third process, and hybridkv's
@@ -99,7 +62,6 @@ def server_env(log_config: Path) -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_LOGGING_CONFIG_PATH=str(log_config),
     )
     return env
 
@@ -369,7 +331,6 @@ def start_server(
     extra_args: tuple[str, ...] = (),
     timeout: float = 300,
     connector: bool = True,
-    log_level: str = "INFO",
 ) -> Server:
     """Start a server and wait for /health; a start that fails is cleaned up and raises
     with the log's tail."""
@@ -377,8 +338,6 @@ def start_server(
     port = free_port()
     cmd = server_command(model, port, extra, kv_cache_bytes, max_num_seqs, extra_args, connector)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_config = log_path.with_suffix(".logging.json")
-    log_config.write_text(json.dumps(logging_config(log_level)))
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
@@ -387,7 +346,7 @@ def start_server(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=server_env(log_config),
+            env=server_env(),
             start_new_session=True,
         )
     server = Server(model, port, log_path, proc, cmd)

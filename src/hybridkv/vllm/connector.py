@@ -47,6 +47,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+def log_through_vllm() -> None:
+    """Send the `hybridkv` loggers' records where vLLM sends its own.
+
+    vLLM configures only its `vllm` logger (handler, format, level). Without this, an
+    operator's server log never shows hybridkv's start-up line or its periodic stats, and
+    its warnings go to Python's last-resort handler with no prefix. An operator who
+    configures a `hybridkv` logger (VLLM_LOGGING_CONFIG_PATH) keeps that configuration."""
+    ours, theirs = logging.getLogger("hybridkv"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 _stores: dict[str, TieredStore] = {}
 _stores_lock = threading.Lock()
 
@@ -117,6 +134,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ):
         super().__init__(vllm_config, role, kv_cache_config)
+        log_through_vllm()
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         ktc = vllm_config.kv_transfer_config
