@@ -71,10 +71,9 @@ def loaded_bytes() -> int:
 
 def run(args: argparse.Namespace, modes: list[str]) -> dict:
     """Time `modes` for every prompt in this process; the first mode must be a cold one."""
-    from hybridkv.engine import generate, scheduler_connector
+    from hybridkv.engine import drop_cpu_tier, generate, scheduler_connector, sync_tiers
 
     llm = start_engine(args)
-    store = scheduler_connector(llm).scheduler_side.store
     layout = scheduler_connector(llm).scheduler_side.layout
     generate(llm, prompts(1, 64), max_tokens=1)  # warm-up: first-request compilation
     times: dict[str, list[float]] = {m: [] for m in modes}
@@ -85,8 +84,7 @@ def run(args: argparse.Namespace, modes: list[str]) -> dict:
             if mode in ("cpu", "disk"):
                 llm.reset_prefix_cache()
             if mode == "disk":
-                store.flush()
-                store.tiers[0].clear()
+                drop_cpu_tier(llm)
             before = loaded_bytes()
             t, hit = timed(llm, prompt)
             times[mode].append(t)
@@ -94,7 +92,7 @@ def run(args: argparse.Namespace, modes: list[str]) -> dict:
             loads[mode].append(loaded_bytes() - before)
             # Let the disk writers finish what this run queued: on a small machine they
             # would otherwise slow down the next timed run (overhead.py measures them).
-            store.flush()
+            sync_tiers(llm)
     per_token = sum(g.block_bytes / g.block_tokens for g in layout.groups if g.kind != "state")
     return {
         "ttft_s": {m: statistics.median(v) for m, v in times.items()},

@@ -20,7 +20,14 @@ from conftest import EngineProc, run_engine_proc, tokens
 from hybridkv.core.keys import chain_seed, chunk_keys, group_key
 from hybridkv.core.layout import GroupKind
 from hybridkv.core.tiers.entry_file import HEADER_BYTES, write_entry
-from hybridkv.engine import generate, make_llm, scheduler_connector, shutdown
+from hybridkv.engine import (
+    drop_cpu_tier,
+    generate,
+    make_llm,
+    scheduler_connector,
+    shutdown,
+    worker_connector,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -84,9 +91,7 @@ def disk_engine(request, model_dirs, tmp_path_factory):
 
 def _fresh(llm) -> None:
     """Forget everything but the disk: vLLM's own prefix cache and the CPU tier."""
-    store = scheduler_connector(llm).scheduler_side.store
-    store.flush()
-    store.tiers[0].clear()
+    drop_cpu_tier(llm)
     llm.reset_prefix_cache()
 
 
@@ -132,7 +137,7 @@ def test_damaged_entry_is_a_counted_miss_and_heals(disk_engine, kind):
     """
     llm = disk_engine
     side = scheduler_connector(llm).scheduler_side
-    disk = side.store.tiers[1]
+    disk = worker_connector().worker_side.store.disk
     C = side.planner.chunk_tokens
     seed = 20 + 2 * sorted(DAMAGE).index(kind)
     prompt = tokens(PROMPT, seed=seed)

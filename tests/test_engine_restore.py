@@ -109,10 +109,9 @@ def test_missing_state_gives_shorter_hit_not_wrong_answer(engine):
 
     keys = chunk_keys(chain_seed(sched.layout.fingerprint, None), base, C)
     best = (len(base) - 1) // C  # chunks in the best hit
-    assert sched.store.contains(group_key(keys[best - 1], state_groups[0]))
+    assert sched.index.in_cpu(group_key(keys[best - 1], state_groups[0]))
     # Drop one group's state only: the other groups' states and all attention KV remain.
-    for tier in sched.store.tiers:
-        tier.delete(group_key(keys[best - 1], state_groups[0]))
+    sched.index.delete(group_key(keys[best - 1], state_groups[0]))
     restored = generate(llm, [base])[0]
     assert restored.num_cached_tokens == 512
     native = generate(llm, [base])[0]
@@ -122,10 +121,10 @@ def test_missing_state_gives_shorter_hit_not_wrong_answer(engine):
 
 
 def test_load_failing_after_the_hit_is_recomputed(engine, monkeypatch):
-    """Entries vanish between the reported hit and the load (a fault only injection can
-    cause: the lookup holds what it fetched). The worker reports the request's load as
-    failed and vLLM, with kv_load_failure_policy="recompute", recomputes it: still the
-    right answer, for hybrid models too."""
+    """Entries vanish from the worker's memory between the reported hit and the load (a
+    fault only injection can cause: the index pins what a hit needs). The worker reports
+    the request's load as failed and vLLM, with kv_load_failure_policy="recompute",
+    recomputes it: still the right answer, for hybrid models too."""
     arch, llm = engine
     side = scheduler_connector(llm).scheduler_side
     prompt = tokens(700, seed=6)
@@ -137,8 +136,9 @@ def test_load_failing_after_the_hit_is_recomputed(engine, monkeypatch):
 
     def vanish(request, blocks, num_external):
         after_alloc(request, blocks, num_external)
-        for key in side.store.release(request.request_id):
-            side.store.delete(key)
+        for job in side._loads:
+            for kc in job.copies:
+                worker_connector().worker_side.store.cpu.delete(kc.key)
 
     monkeypatch.setattr(side, "after_alloc", vanish)
     failed = worker_connector().worker_side.stats.failed_loads

@@ -113,3 +113,28 @@ def worker_connector():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return get_kv_transfer_group()
+
+
+def sync_tiers(llm) -> None:
+    """Wait for the worker's queued disk writes, rescan its disk (entries other engines
+    wrote) and hand its report to the scheduler side at once, rather than after the next
+    steps (in-process engine only): tests and benchmarks then see every entry where it
+    will be."""
+    side = scheduler_connector(llm).scheduler_side
+    worker = worker_connector().worker_side
+    worker.store.flush()
+    if worker.store.disk is not None:
+        worker.store.disk.rescan()
+    side.worker_reports({worker.rank: worker.report()})
+
+
+def drop_cpu_tier(llm) -> None:
+    """Evict every entry from the CPU tier, so that the next hits come from the disk
+    (in-process engine only; the engine must be idle)."""
+    sync_tiers(llm)
+    index = scheduler_connector(llm).scheduler_side.index
+    index.evict_all()
+    orders = index.take_orders()
+    if orders.promote or orders.clear:
+        raise RuntimeError("drop_cpu_tier needs an idle engine")
+    worker_connector().worker_side.follow(orders)

@@ -1,9 +1,10 @@
-"""The tiers of one engine, looked through in order (fastest first).
+"""The tiers of one worker (one tensor-parallel rank), looked through in order (fastest
+first).
 
 Stores write through to every tier (the disk tier queues its write), so what the CPU tier
 evicts, or loses on a restart, is still found below it. An entry found in a lower tier
-is copied into the tiers above it. Entries fetched for a load that is planned but not yet
-run are *held*: no eviction or damage can take them away before the load reads them.
+is copied into the tiers above it. What stays in the CPU tier is decided by the scheduler
+side's index (core/index.py); the worker follows its orders.
 """
 
 from __future__ import annotations
@@ -28,13 +29,21 @@ class TieredStore:
         self.tiers = list(tiers)
         # Host memory of the entries this engine makes (stores, disk reads).
         self.pool = pool or HostPool(pin=False)
-        self._held: dict[str, dict[bytes, torch.Tensor]] = {}
 
     @classmethod
-    def from_config(cls, config: HybridKVConfig, layout: Layout, pin: bool) -> TieredStore:
-        """`pin`: the engine's cache is on a GPU, so entries live in pinned memory."""
+    def from_config(
+        cls,
+        config: HybridKVConfig,
+        layout: Layout,
+        pin: bool,
+        cpu_bytes: int | None = None,
+    ) -> TieredStore:
+        """`pin`: the engine's cache is on a GPU, so entries live in pinned memory.
+        `cpu_bytes` (default `config.cpu_bytes`) bounds the CPU tier. The disk tier's
+        directory is named by the layout's fingerprint, which differs between
+        tensor-parallel ranks."""
         pool = HostPool(pin)
-        tiers: list[Tier] = [MemoryTier(config.cpu_bytes)]
+        tiers: list[Tier] = [MemoryTier(cpu_bytes or config.cpu_bytes)]
         if config.disk_path is not None:
             planner = Planner(layout.groups, config.chunk_tokens)
             tiers.append(
@@ -78,9 +87,18 @@ class TieredStore:
             missing = still
         return found
 
-    def put(self, key: bytes, entry: torch.Tensor) -> bool:
-        """Store in every tier; True if any took it."""
-        stored = [t.put(key, entry) for t in self.tiers]
+    @property
+    def cpu(self) -> Tier:
+        return self.tiers[0]
+
+    @property
+    def disk(self) -> DiskTier | None:
+        return next((t for t in self.tiers if isinstance(t, DiskTier)), None)
+
+    def put(self, key: bytes, entry: torch.Tensor, cpu: bool = True) -> bool:
+        """Store in every tier (every tier below the CPU one, without `cpu`); True if
+        any took it."""
+        stored = [t.put(key, entry) for t in self.tiers[0 if cpu else 1 :]]
         return any(stored)
 
     def delete(self, key: bytes) -> None:
@@ -88,25 +106,8 @@ class TieredStore:
             t.delete(key)
 
     def clear(self) -> None:
-        self._held.clear()
         for t in self.tiers:
             t.clear()
-
-    # ---- entries held for planned loads ------------------------------------------------
-    def hold(self, owner: str, entries: dict[bytes, torch.Tensor]) -> None:
-        """Keep `entries` for `owner` (a request) until it takes them; replaces any held."""
-        self._held[owner] = entries
-
-    def release(self, owner: str) -> dict[bytes, torch.Tensor]:
-        return self._held.pop(owner, {})
-
-    def is_held(self, owner: str) -> bool:
-        return owner in self._held
-
-    def held_entries(self) -> int:
-        """Entries held for planned loads: 0 whenever no request is between lookup and
-        load (a leak shows here)."""
-        return sum(len(entries) for entries in self._held.values())
 
     # ---- lifecycle -----------------------------------------------------------------------
     def flush(self) -> None:
@@ -114,7 +115,6 @@ class TieredStore:
             t.flush()
 
     def close(self) -> None:
-        self._held.clear()
         for t in self.tiers:
             t.close()
 

@@ -1,9 +1,12 @@
 """`HybridKVConnector`: the vLLM KV connector, a thin shell over the two sides.
 
-vLLM builds one instance per role. Both roles of one engine live in the engine-core
-process when it runs one worker in-process (TP = 1, the `uni` executor), the only layout
-supported so far: they share one `TieredStore` through a per-process registry keyed by
-the engine id. Every other layout is refused at start, naming the setting.
+vLLM builds one scheduler-role instance in the engine-core process and one worker-role
+instance per tensor-parallel rank, in the rank's process (the engine core's own with the
+`uni` executor, a process each with `mp`). They share nothing but vLLM's channels: the
+scheduler side's orders go out in the step's connector metadata, each worker's report
+comes back in its worker metadata (merged over ranks by vLLM), loads are finished
+through `get_transfer_results`. Layouts that channel cannot serve are refused at start,
+naming the setting.
 
 No exception may leave a hook: an engine that dies for a cache is worse than no cache.
 Each hook turns an error into a miss or a dropped store, counts it and logs it.
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -23,16 +25,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
 from hybridkv.core.config import ConfigError, HybridKVConfig
-from hybridkv.core.layout import GroupKind, Layout
+from hybridkv.core.index import StoreIndex
+from hybridkv.core.layout import GroupKind
 from hybridkv.core.planner import Planner
 from hybridkv.core.policy import CheckpointPolicy
 from hybridkv.core.store import TieredStore
 from hybridkv.vllm.layout import group_layer_pages, layout_from_vllm
-from hybridkv.vllm.metadata import HybridKVMetadata
+from hybridkv.vllm.metadata import HybridKVMetadata, HybridKVWorkerMeta
 from hybridkv.vllm.scheduler_side import SchedulerSide
 from hybridkv.vllm.worker_side import WorkerSide
 
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -64,48 +69,34 @@ def log_through_vllm() -> None:
     ours.propagate = False
 
 
-_stores: dict[str, TieredStore] = {}
-_stores_lock = threading.Lock()
-
 T = TypeVar("T")
 
-
-def _shared_store(engine_id: str, config: HybridKVConfig, layout: Layout, pin: bool) -> TieredStore:
-    with _stores_lock:
-        store = _stores.get(engine_id)
-        if store is None:
-            store = _stores[engine_id] = TieredStore.from_config(config, layout, pin)
-        return store
-
-
-def _close_store(engine_id: str) -> None:
-    with _stores_lock:
-        store = _stores.pop(engine_id, None)
-    if store is not None:
-        store.close()
+# The worker's CPU tier bound, over its share of `cpu_bytes`: the scheduler side's index
+# keeps the share; this only stops runaway growth (a step's stores land before its
+# evictions).
+_CPU_BOUND_FACTOR = 2
 
 
 def check_process_layout(vllm_config: VllmConfig) -> None:
-    """Refuse layouts that put the two connector sides in different processes: each
-    would build its own store, and the worker would never see what the scheduler held."""
+    """Refuse layouts whose workers would not report to this engine's scheduler side
+    through vLLM's per-step channels, naming the setting."""
     pc = vllm_config.parallel_config
-    if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+    if pc.pipeline_parallel_size > 1:
         raise ConfigError(
-            "tensor_parallel_size: hybridkv supports one worker per engine for now "
-            f"(tensor_parallel_size={pc.tensor_parallel_size}, "
-            f"pipeline_parallel_size={pc.pipeline_parallel_size})"
+            f"pipeline_parallel_size: hybridkv supports tensor parallelism only "
+            f"(got pipeline_parallel_size={pc.pipeline_parallel_size})"
         )
     if pc.data_parallel_size > 1:
         raise ConfigError(
-            f"data_parallel_size: hybridkv supports one engine per process group for now "
+            f"data_parallel_size: hybridkv is not tested with data parallelism yet "
             f"(got {pc.data_parallel_size}); run separate servers instead"
         )
     backend = pc.distributed_executor_backend
-    if backend not in (None, "uni"):
+    if backend not in (None, "uni", "mp"):
         name = backend if isinstance(backend, str) else getattr(backend, "__name__", backend)
         raise ConfigError(
-            f"distributed_executor_backend: hybridkv needs the in-process 'uni' executor "
-            f"with one worker for now, got {name!r}"
+            f"distributed_executor_backend: hybridkv supports the 'uni' and 'mp' executors, "
+            f"got {name!r}"
         )
 
 
@@ -172,14 +163,19 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                     f"{state_groups[0].block_tokens} here, got {self.planner.chunk_tokens}"
                 )
             policy = CheckpointPolicy(self.config.checkpoint_policy, self.planner.chunk_tokens)
-        self.engine_id = ktc.engine_id
-        # A CUDA cache copies to and from pinned host memory (full PCIe speed).
-        pin = vllm_config.device_config.device_type == "cuda"
-        store = _shared_store(self.engine_id, self.config, self.layout, pin)
+        ranks = vllm_config.parallel_config.tensor_parallel_size
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(self.layout, self.planner, policy, store, enabled)
+            disk = self.config.disk_path is not None
+            index = StoreIndex(self.config.cpu_bytes, ranks, disk)
+            self.scheduler_side = SchedulerSide(
+                self.layout, self.planner, policy, index, enabled, disk
+            )
         else:
-            self.worker_side = WorkerSide(self.planner, store)
+            # A CUDA cache copies to and from pinned host memory (full PCIe speed).
+            pin = vllm_config.device_config.device_type == "cuda"
+            bound = _CPU_BOUND_FACTOR * self.config.cpu_bytes // ranks
+            store = TieredStore.from_config(self.config, self.layout, pin, bound)
+            self.worker_side = WorkerSide(self.planner, store, vllm_config.parallel_config.rank)
         self._all_groups = tuple(range(len(self.layout.groups)))
         log.info(
             "hybridkv: %s side, chunk %d tokens, groups %s",
@@ -197,9 +193,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Hits are asynchronous loads (see scheduler_side for why)."""
+        """Hits are asynchronous loads (see scheduler_side for why); None asks vLLM to
+        ask again next step."""
         n = self.scheduler_side.num_new_matched_tokens(request, num_computed_tokens)
-        return n, n > 0
+        return n, bool(n)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """A load writes every group: vLLM must zero none of its blocks meanwhile."""
@@ -213,6 +210,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler_side.build_meta(scheduler_output)
+
+    @_guarded(lambda: None)
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, HybridKVWorkerMeta):
+            self.scheduler_side.worker_reports(meta.reports)
+        self.scheduler_side.loads_failed(connector_output.failed_recving or ())
 
     @_guarded(lambda: (False, None))
     def request_finished(
@@ -237,11 +241,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             kv_caches, group_layer_pages(self._kv_cache_config), self._kv_cache_config.num_blocks
         )
 
+    @_guarded(lambda: None)
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Loads are asynchronous: their requests are not in this step's forward."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, HybridKVMetadata)
-        self.worker_side.load(meta)
+        self.worker_side.begin_step(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """No layer of this step's forward reads a block being loaded."""
@@ -257,11 +262,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_guarded(lambda: None)
     def wait_for_save(self) -> None:
-        self.worker_side.save(self._get_connector_metadata())
+        self.worker_side.end_step(self._get_connector_metadata())
+
+    @_guarded(lambda: None)
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        report = self.worker_side.report()
+        return HybridKVWorkerMeta({self.worker_side.rank: report}) if report else None
 
     @_guarded(lambda: KVConnectorTransferResults())
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        self.worker_side.finished(finished_req_ids)
         done = self.worker_side.transfer_results()
         return KVConnectorTransferResults(
             finished_recving=done.received, failed_recving=done.failed
@@ -273,5 +282,6 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- both --------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Finish queued disk writes; the first side to shut down closes the shared store."""
-        _close_store(self.engine_id)
+        """A worker finishes its queued disk writes."""
+        if self.worker_side is not None:
+            self.worker_side.close()

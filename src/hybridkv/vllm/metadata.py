@@ -1,11 +1,15 @@
-"""What the scheduler side tells the worker side each step."""
+"""What the scheduler side tells the workers each step, and what they tell it back."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
+from hybridkv.core.index import Orders, WorkerReport
 from hybridkv.core.planner import EntryCopy
 
 
@@ -13,14 +17,15 @@ from hybridkv.core.planner import EntryCopy
 class KeyedCopy:
     key: bytes  # tier key of the entry (chunk key + group id)
     copy: EntryCopy
+    cpu: bool = True  # a store: into CPU memory too (False: the index had no room)
 
 
 @dataclass
 class RequestLoad:
-    """An asynchronous load: vLLM waits for the worker to report `req_id` received.
+    """An asynchronous load: vLLM waits for every worker to report `req_id` received.
 
     `failed` loads carry no copies: planning went wrong after the hit was reported, and
-    the worker only reports them as failed so vLLM recomputes the request.
+    the workers only report them as failed so vLLM recomputes the request.
     """
 
     req_id: str
@@ -31,12 +36,26 @@ class RequestLoad:
 @dataclass
 class RequestStore:
     req_id: str
-    copies: list[KeyedCopy]  # write to the tiers now
-    # Newest decode-time states: replace what this request staged before.
-    staged: list[KeyedCopy] = field(default_factory=list)
+    copies: list[KeyedCopy]
 
 
 @dataclass
 class HybridKVMetadata(KVConnectorMetadata):
+    epoch: int = 0  # the index's epoch: advanced by every clear
     loads: list[RequestLoad] = field(default_factory=list)
     stores: list[RequestStore] = field(default_factory=list)
+    orders: Orders = field(default_factory=Orders)
+
+
+@dataclass
+class HybridKVWorkerMeta(KVConnectorWorkerMetadata):
+    """Each rank's report; vLLM merges the ranks' with `aggregate`."""
+
+    reports: dict[int, WorkerReport] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, HybridKVWorkerMeta)
+        merged = dict(self.reports)
+        for rank, report in other.reports.items():
+            merged[rank] = merged[rank].merge(report) if rank in merged else report
+        return HybridKVWorkerMeta(merged)

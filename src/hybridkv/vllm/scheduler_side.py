@@ -1,5 +1,10 @@
 """Scheduler side of the connector: lookup, hit rule, and the per-step plan of copies.
 
+It decides from the index (core/index.py) of what the workers hold and never touches
+an entry's bytes: a lookup costs no I/O. A hit whose entries are all in the workers' CPU
+memory is reported at once; one that needs disk entries has them promoted first and
+answers "ask again" (None) until every rank has them, so a reported hit cannot fail.
+
 Every hit is reported to vLLM as an asynchronous load. vLLM 0.32 under-counts the blocks
 a *synchronous* external hit takes from a recurrent (align-mode Mamba/GDN) group: its
 capacity check allows one new block per recurrent group, but admission then takes two,
@@ -15,19 +20,19 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from hybridkv.core.keys import extend_chain, group_key
+from hybridkv.core.index import StoreIndex, WorkerReport
+from hybridkv.core.keys import extend_chain, group_key, split_group_key
 from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.planner import NULL_BLOCK, EntryCopy, Planner
 from hybridkv.core.policy import CheckpointPolicy, StateAction
-from hybridkv.core.store import TieredStore
 from hybridkv.vllm.metadata import HybridKVMetadata, KeyedCopy, RequestLoad, RequestStore
 from hybridkv.vllm.request_identity import KeyContext, key_context
 
 if TYPE_CHECKING:
-    import torch
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -35,6 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATS_LOG_SECONDS = 10.0
+# A request waits this long at most for disk entries to reach CPU memory (or, at start,
+# for the workers' disk listings); then its hit is planned without them.
+PROMOTE_WAIT_SECONDS = 30.0
 
 
 def _keyed(chain: list[bytes], plan: list[EntryCopy]) -> list[KeyedCopy]:
@@ -46,8 +54,9 @@ class SchedulerStats:
     """Monotonic counters (they only ever grow)."""
 
     lookups: int = 0
-    queried_tokens: int = 0  # prompt tokens beyond vLLM's own hit, at each admission lookup
-    hit_tokens: int = 0  # tokens reported to vLLM as an external hit
+    queried_tokens: int = 0  # prompt tokens beyond vLLM's own hit, at each answered lookup
+    hit_tokens: int = 0  # tokens loaded by hybridkv (a hit vLLM allocated)
+    waits: int = 0  # lookups answered "ask again": disk entries on their way
     failed_plans: int = 0  # hits whose load could not be planned (reported failed)
     hook_errors: int = 0  # exceptions caught at the connector boundary
 
@@ -59,7 +68,11 @@ class _RequestState:
     ctx: KeyContext | None
     keys: list[bytes] = field(default_factory=list)  # chain keys of full chunks seen so far
     stored_chunks: int = 0  # chunks [0, stored_chunks) are handled for attention stores
-    hit: tuple[int, int] | None = None  # (local tokens, boundary) of the held hit
+    hit: tuple[int, int] | None = None  # (local tokens, boundary) of the reported hit
+    pins: list[bytes] = field(default_factory=list)  # entries its hit or wait needs
+    waiting_since: float | None = None  # first "ask again" of this wait
+    staged: list[bytes] = field(default_factory=list)  # its newest decode-time state
+    load_failed: bool = False  # vLLM recomputes it: no more hits for it
 
 
 class SchedulerSide:
@@ -68,21 +81,26 @@ class SchedulerSide:
         layout: Layout,
         planner: Planner,
         policy: CheckpointPolicy | None,
-        store: TieredStore,
+        index: StoreIndex,
         enabled: bool,
+        disk: bool,
     ):
+        """`disk`: the workers have a disk tier (a store without CPU room still goes
+        there)."""
         self.layout = layout
         self.planner = planner
         self.policy = policy
-        self.store = store
+        self.index = index
         self.enabled = enabled
+        self.disk = disk
         self._fingerprint = layout.fingerprint
         self._reqs: dict[str, _RequestState] = {}
         self._loads: list[RequestLoad] = []
+        self._load_pins: list[bytes] = []  # released once the loads are sent
         self._manager: KVCacheManager | None = None
         self._state_groups = [g for g, s in enumerate(layout.groups) if s.kind is GroupKind.STATE]
         self.stats = SchedulerStats()
-        self._last_log = time.monotonic()
+        self._last_log = self._started = time.monotonic()
 
     def bind(self, manager: KVCacheManager) -> None:
         self._manager = manager
@@ -101,94 +119,128 @@ class SchedulerSide:
         C = self.planner.chunk_tokens
         return extend_chain(st.keys, st.ctx.seed, tokens, C, st.ctx.chunk_extras)
 
-    def num_new_matched_tokens(self, request: Request, local_tokens: int) -> int:
-        """The hit beyond vLLM's own, with every entry it needs already fetched and held.
+    def num_new_matched_tokens(self, request: Request, local_tokens: int) -> int | None:
+        """The hit beyond vLLM's own, or None ("ask again") while disk entries it needs
+        are promoted into CPU memory.
 
-        Fetching here, before the hit is reported, is what makes damaged, foreign or
-        vanished entries a plain miss. A failed entry is excluded and the hit rule runs
-        again, so the loop ends. vLLM asks again for a request it could not admit: the
-        held hit is answered again without touching the tiers.
+        Costs no I/O and may be asked any number of times: each answer re-runs the hit
+        rule on the index and replaces the request's pins. An entry that cannot be made
+        ready (no CPU room, a failed or overdue promotion) is left out and the rule runs
+        again, so the loop ends.
         """
         if not self.enabled:
             return 0
         st = self._state(request)
-        if st.ctx is None:
+        if st.ctx is None or st.load_failed:
             return 0
-        if (
-            st.hit is not None
-            and st.hit[0] == local_tokens
-            and self.store.is_held(request.request_id)
-        ):
-            return st.hit[1] - local_tokens
-        self.store.release(request.request_id)
-        st.hit = None
+        if not self.index.ready() and time.monotonic() - self._started < PROMOTE_WAIT_SECONDS:
+            self.stats.waits += 1
+            return None  # the workers list their disks in the first step's report
         L = request.num_prompt_tokens
-        self.stats.lookups += 1
-        self.stats.queried_tokens += max(L - local_tokens, 0)
         keys = self._keys(st, L)
-        failed: set[bytes] = set()
+        index = self.index
+        excluded: set[bytes] = set()
+        overdue = (
+            st.waiting_since is not None
+            and time.monotonic() - st.waiting_since > PROMOTE_WAIT_SECONDS
+        )
 
         def present(g: int, c: int) -> bool:
             if c >= len(keys):
                 return False
             key = group_key(keys[c], g)
-            return key not in failed and self.store.contains(key)
+            return key not in excluded and index.known(key)
 
+        st.hit = None
         while (boundary := self.planner.find_hit(L, local_tokens, present)) > local_tokens:
-            entries = self._fetch(keys, local_tokens, boundary, failed)
-            if entries is not None:
-                self.store.hold(request.request_id, entries)
-                st.hit = (local_tokens, boundary)
-                self.stats.hit_tokens += boundary - local_tokens
-                return boundary - local_tokens
+            wanted = self._wanted(keys, local_tokens, boundary)
+            # The request's pins from now on: nothing the hit needs is evicted to make
+            # room for its promotions.
+            index.pin(wanted)
+            blocked = [k for k in wanted if not self._ready_or_coming(k, overdue)]
+            if blocked:
+                index.unpin(wanted)
+                excluded.update(blocked)
+                continue
+            index.unpin(st.pins)
+            st.pins = wanted
+            if any(index.promoting(k) for k in wanted):
+                if st.waiting_since is None:
+                    st.waiting_since = time.monotonic()
+                self.stats.waits += 1
+                return None
+            index.touch(wanted)
+            st.waiting_since = None
+            st.hit = (local_tokens, boundary)
+            self._count_lookup(L, local_tokens)
+            return boundary - local_tokens
+        self._pin(st, [])
+        st.waiting_since = None
+        self._count_lookup(L, local_tokens)
         return 0
 
-    def _fetch(
-        self, keys: list[bytes], local: int, boundary: int, failed: set[bytes]
-    ) -> dict[bytes, torch.Tensor] | None:
-        """Every entry a hit at `boundary` reads, or None after adding the bad ones to
-        `failed`. Entries on disk are read in parallel."""
-        wanted = {
-            group_key(keys[c], g): self.planner.entry_bytes(g)
+    def _ready_or_coming(self, key: bytes, overdue: bool) -> bool:
+        """In CPU memory, or promoted there (started now if need be) while the request
+        may still wait."""
+        if self.index.in_cpu(key):
+            return True
+        if overdue:
+            return False
+        return self.index.promoting(key) or self.index.promote(key, self._entry_bytes(key))
+
+    def _count_lookup(self, num_prompt_tokens: int, local_tokens: int) -> None:
+        self.stats.lookups += 1
+        self.stats.queried_tokens += max(num_prompt_tokens - local_tokens, 0)
+
+    def _wanted(self, keys: list[bytes], local: int, boundary: int) -> list[bytes]:
+        """Every entry a hit at `boundary` reads."""
+        return [
+            group_key(keys[c], g)
             for g in range(len(self.planner.groups))
             for c in self.planner.needed_chunks(g, local, boundary)
-        }
-        entries = self.store.get_many(list(wanted))
-        for key, size in wanted.items():
-            entry = entries.get(key)
-            if entry is not None and entry.numel() != size:
-                self.store.delete(key)  # cannot be this layout's: never ask again
-                entry = None
-            if entry is None:
-                failed.add(key)
-        return None if failed.intersection(wanted) else entries
+        ]
+
+    def _entry_bytes(self, key: bytes) -> int:
+        return self.planner.entry_bytes(split_group_key(key)[1])
+
+    def _pin(self, st: _RequestState, keys: list[bytes]) -> None:
+        """Make `keys` the request's pins (pin the new before releasing the old)."""
+        self.index.pin(keys)
+        self.index.unpin(st.pins)
+        st.pins = keys
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         """Plan the load of a reported hit. vLLM calls this a second time once the load
         is done (with no external tokens), and for requests without a hit."""
         req_id = request.request_id
         st = self._reqs.get(req_id)
-        hit, st_hit = None, None
-        if st is not None:
-            st_hit, st.hit = st.hit, None
+        if st is None:
+            return
+        hit, st.hit = st.hit, None
         if num_external == 0:
-            self.store.release(req_id)
+            self._pin(st, [])
             return
         try:
-            if st_hit is None or st_hit[1] - st_hit[0] != num_external:
-                raise RuntimeError(f"allocation for {num_external} tokens matches no held hit")
-            local, boundary = hit = st_hit
+            if hit is None or hit[1] - hit[0] != num_external:
+                raise RuntimeError(f"allocation for {num_external} tokens matches no hit")
+            local, boundary = hit
             plan = self.planner.load_plan(local, boundary, blocks.get_block_ids())
             copies = _keyed(st.keys, plan)
         except Exception:
-            # vLLM waits for this load: it must still reach the worker, as a failure.
+            # vLLM waits for this load: it must still reach the workers, as a failure.
             log.exception("hybridkv: planning the load of %s failed", req_id)
             self.stats.failed_plans += 1
             self._loads.append(RequestLoad(req_id, [], failed=True))
+            self._pin(st, [])
             return
         self._loads.append(RequestLoad(req_id, copies))
+        # The entries stay pinned until the load is sent (evictions of the same step are
+        # chosen before the pins go).
+        self._load_pins.extend(st.pins)
+        st.pins = []
+        self.stats.hit_tokens += num_external
         # What was loaded is stored already.
-        st.stored_chunks = max(st.stored_chunks, hit[1] // self.planner.chunk_tokens)
+        st.stored_chunks = max(st.stored_chunks, boundary // self.planner.chunk_tokens)
 
     # ---- per-step plan ----------------------------------------------------------------------
     def build_meta(self, out: SchedulerOutput) -> HybridKVMetadata:
@@ -196,13 +248,16 @@ class SchedulerSide:
         vLLM waits for each one to be reported."""
         meta = HybridKVMetadata(loads=self._loads)
         self._loads = []
-        if not self.enabled:
-            return meta
-        try:
-            meta.stores = self._plan_stores(out)
-        except Exception:
-            log.exception("hybridkv: planning this step's stores failed; none are made")
-            self.stats.hook_errors += 1
+        if self.enabled:
+            try:
+                meta.stores = self._plan_stores(out)
+            except Exception:
+                log.exception("hybridkv: planning this step's stores failed; none are made")
+                self.stats.hook_errors += 1
+        self.index.unpin(self._load_pins)
+        self._load_pins = []
+        meta.epoch = self.index.epoch
+        meta.orders = self.index.take_orders()
         try:
             self._maybe_log_stats()
         except Exception:
@@ -244,13 +299,30 @@ class SchedulerSide:
                 if block_ids is None:
                     block_ids = self._manager.get_block_ids(req_id)
             attention = self.planner.store_plan(chunks, block_ids) if chunks else []
-            copies = [
-                kc for kc in _keyed(keys, attention + store_at) if not self.store.contains(kc.key)
-            ]
-            staged = _keyed(keys, stage_at)
-            if copies or staged:
-                stores.append(RequestStore(req_id, copies, staged))
+            copies = self._admit(_keyed(keys, attention + store_at))
+            if stage_at:
+                staged = self._admit(_keyed(keys, stage_at))
+                if staged:  # the newest state replaces the one staged before
+                    for key in st.staged:
+                        self.index.delete(key)
+                    st.staged = [kc.key for kc in staged]
+                    copies += staged
+            if copies:
+                stores.append(RequestStore(req_id, copies))
         return stores
+
+    def _admit(self, copies: Iterable[KeyedCopy]) -> list[KeyedCopy]:
+        """The copies worth making: entries not held yet, each admitted to CPU memory
+        (evicting older ones) or, without room there, to the disk tier alone."""
+        out = []
+        for kc in copies:
+            if self.index.known(kc.key):
+                continue
+            if self.index.admit(kc.key, self.planner.entry_bytes(kc.copy.group)):
+                out.append(kc)
+            elif self.disk:
+                out.append(KeyedCopy(kc.key, kc.copy, cpu=False))
+        return out
 
     def _decode_boundary(self, req: Request, start: int, end: int) -> bool:
         """Whether this step ends decoding on a chunk boundary past the prompt's
@@ -302,23 +374,35 @@ class SchedulerSide:
 
     def snapshot(self) -> dict:
         """Counters and gauges for logs and tests."""
-        tiers = {name: asdict(s) for name, s in self.store.stats().items()}
         return {
             **asdict(self.stats),
-            "held_entries": self.store.held_entries(),
+            **asdict(self.index.stats),
+            **self.index.gauges(),
             "tracked_requests": len(self._reqs),
-            "tiers": tiers,
         }
 
+    def worker_reports(self, reports: dict[int, WorkerReport]) -> None:
+        for rank, report in reports.items():
+            self.index.apply(rank, report)
+
+    def loads_failed(self, req_ids: Iterable[str]) -> None:
+        """vLLM recomputes these requests: never offer them a hit again, so a fault that
+        repeats cannot make a request loop (the workers report the entries they missed
+        as lost, which keeps other requests off them too)."""
+        for req_id in req_ids:
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.load_failed = True
+
     def request_finished(self, request: Request) -> bool:
-        """Forget the request. Stores are copied out synchronously within each step, so no
-        block is still being read and vLLM may free them at once. A load already planned
-        keeps its held entries: the worker takes them (vLLM keeps the blocks until the
+        """Forget the request and release its pins. Stores are copied out within each
+        step, so no block is still being read and vLLM may free them at once. A load
+        already planned keeps its pins until it is sent (vLLM keeps the blocks until the
         load is reported)."""
         st = self._reqs.pop(request.request_id, None)
-        if st is not None and not any(job.req_id == request.request_id for job in self._loads):
-            self.store.release(request.request_id)
+        if st is not None:
+            self._pin(st, [])
         return False
 
     def reset(self) -> None:
-        self.store.clear()
+        self.index.clear()

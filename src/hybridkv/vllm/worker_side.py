@@ -1,27 +1,41 @@
-"""Worker side of the connector: copies between the engine's KV cache and the tiers.
+"""Worker side of the connector: one per tensor-parallel rank, in the process that owns the
+rank's KV cache. It holds the rank's share of every entry and does what the step's
+orders say; it decides nothing.
 
-Every hit is an asynchronous load in vLLM's terms: the request waits (it is not
-scheduled) while the step that carries its load runs, and is admitted once
-`transfer_results` reports it received. So nothing of vLLM's own per-step work
-(zeroing new blocks, copying a recurrent state into the running block) touches the
-blocks while they are written, and a load that fails is reported for that one request,
-which vLLM then recomputes: the only failure report it accepts from models with several
-KV cache groups.
+Each step (vLLM calls the hooks in this order):
+1. `begin_step` (`start_load_kv`): a clear first, if ordered; then the step's loads,
+   written from CPU memory into their blocks in one batch; then promotions, handed to a
+   background thread (a disk read never holds up the step).
+2. `end_step` (`wait_for_save`): the step's stores, copied out while their blocks are
+   sure to be intact, into CPU memory and the disk queue; then evictions and deletions
+   (after the stores: an entry stored and evicted in one step ends up evicted, as the
+   index has it).
+3. `report` (`build_connector_worker_meta`): promotions done, disk entries come and
+   gone, entries lost; and `transfer_results`: the requests whose loads are done.
+
+Every hit is an asynchronous load in vLLM's terms: the request is not in the step's
+forward while its blocks are written, and a load that fails is reported for that one
+request, which vLLM then recomputes (the only failure report it accepts from models with
+several KV cache groups).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from hybridkv.core.canonical import build_canonical
 from hybridkv.core.copy_engine import CopyEngine
+from hybridkv.core.index import Orders, WorkerReport
 from hybridkv.core.planner import EntryCopy, Planner
 from hybridkv.core.store import TieredStore
-from hybridkv.vllm.metadata import HybridKVMetadata, RequestLoad
+from hybridkv.core.tiers.memory import MemoryTier
+from hybridkv.vllm.metadata import HybridKVMetadata
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +50,8 @@ class WorkerStats:
     loaded_bytes: int = 0  # written into the KV cache by restores
     stored_entries: int = 0
     failed_stores: int = 0  # steps whose stores were dropped after an error
+    promoted_entries: int = 0  # read from disk into CPU memory
+    failed_promotions: int = 0
     hook_errors: int = 0  # exceptions caught at the connector boundary
 
 
@@ -46,15 +62,23 @@ class TransferResults:
 
 
 class WorkerSide:
-    def __init__(self, planner: Planner, store: TieredStore):
+    def __init__(self, planner: Planner, store: TieredStore, rank: int = 0):
         self.planner = planner
         self.store = store
+        self.rank = rank
         self.copies: CopyEngine | None = None
-        # Keys of the staged (newest decode-time) states each running request inserted.
-        self._staged: dict[str, list[bytes]] = {}
+        self.epoch = 0
         self._received: set[str] = set()
         self._failed: set[str] = set()
+        # What the next report carries; promotion threads add to it. Re-entrant: the CPU
+        # tier's own evictions call `lost` from inside a put made under it.
+        self._lock = threading.RLock()
+        # The first report lists the whole disk tier (what earlier processes stored).
+        self._report = WorkerReport(listed=store.disk is not None)
+        self._promoter = ThreadPoolExecutor(1, thread_name_prefix="hybridkv-promote")
         self.stats = WorkerStats()
+        if isinstance(store.cpu, MemoryTier):
+            store.cpu.on_evict = self.lost
 
     def register(
         self,
@@ -72,21 +96,35 @@ class WorkerSide:
                 )
         self.copies = CopyEngine(kv, self.store.pool)
 
-    def load(self, meta: HybridKVMetadata) -> None:
-        """Write every load of the step into its blocks, one batch for all requests.
+    def lost(self, key: bytes) -> None:
+        """The CPU tier dropped an entry on its own (its safety bound): tell the index."""
+        with self._lock:
+            self._report.lost.append(key)
 
-        Entries come from what the scheduler side fetched and held at lookup; the tiers
-        are asked only if that is gone. A request with any entry missing, or whose copy
-        fails, loads nothing and is reported failed.
+    # ---- 1. start of the step: clear, loads, promotions ----------------------------------------
+    def begin_step(self, meta: HybridKVMetadata) -> None:
+        if meta.orders.clear:
+            with self._lock:
+                self.store.clear()
+                self._report = WorkerReport()
+                disk = self.store.disk
+                if disk is not None:  # the entries left are other engines': all reported
+                    self._report.disk = disk.take_changes(everything=True)
+                    self._report.listed = True
+        self.epoch = meta.epoch
+        self.load(meta)
+        if meta.orders.promote:
+            self._promoter.submit(self._promote, meta.epoch, list(meta.orders.promote))
+
+    def load(self, meta: HybridKVMetadata) -> None:
+        """Write every load of the step into its blocks, one batch for all requests. A
+        request with an entry missing from CPU memory (the index pinned it there, so only
+        a fault can cause this) or whose copy fails loads nothing and is reported failed.
         """
         batch: list[tuple[EntryCopy, torch.Tensor]] = []
         batch_reqs: list[str] = []
         for job in meta.loads:
-            try:
-                entries = self._entries(job)
-            except Exception:
-                log.exception("hybridkv: reading the entries of %s failed", job.req_id)
-                entries = None
+            entries = None if job.failed else self._entries(job.req_id, job.copies)
             if entries is None:
                 self._fail(job.req_id)
                 continue
@@ -108,20 +146,110 @@ class WorkerSide:
             self.stats.loaded_blocks += len(c.block_ids)
             self.stats.loaded_bytes += len(c.block_ids) * self.planner.groups[c.group].block_bytes
 
-    def _entries(self, job: RequestLoad) -> list[torch.Tensor] | None:
-        held = self.store.release(job.req_id)
-        if job.failed:
+    def _entries(self, req_id: str, copies: Sequence) -> list[torch.Tensor] | None:
+        try:
+            entries = [self.store.cpu.get(kc.key) for kc in copies]
+        except Exception:
+            log.exception("hybridkv: reading the entries of %s failed", req_id)
             return None
-        entries = [held[kc.key] if kc.key in held else self.store.get(kc.key) for kc in job.copies]
-        for e, kc in zip(entries, job.copies, strict=True):
-            if e is None or e.numel() != self.planner.entry_bytes(kc.copy.group):
-                log.warning("hybridkv: entries for %s vanished before load", job.req_id)
-                return None
+        missing = [
+            kc.key
+            for e, kc in zip(entries, copies, strict=True)
+            if e is None or e.numel() != self.planner.entry_bytes(kc.copy.group)
+        ]
+        if missing:
+            log.warning("hybridkv: %d entries of %s are not in CPU memory", len(missing), req_id)
+            with self._lock:
+                self._report.lost.extend(missing)
+            return None
         return entries
 
     def _fail(self, req_id: str) -> None:
         self.stats.failed_loads += 1
         self._failed.add(req_id)
+
+    def _promote(self, epoch: int, keys: list[bytes]) -> None:
+        """Read disk entries into CPU memory (a background thread). The disk tier checks
+        each file (size, fingerprint, key, checksum) before handing it out."""
+        disk = self.store.disk
+        try:
+            entries = disk.get_many(keys) if disk is not None else [None] * len(keys)
+        except Exception:
+            log.exception("hybridkv: promoting %d entries failed", len(keys))
+            entries = [None] * len(keys)
+        results = []
+        with self._lock:
+            for key, entry in zip(keys, entries, strict=True):
+                ok = entry is not None and epoch == self.epoch
+                if ok:
+                    ok = self.store.cpu.put(key, entry)
+                results.append((epoch, key, ok))
+                if ok:
+                    self.stats.promoted_entries += 1
+                else:
+                    self.stats.failed_promotions += 1
+            self._report.promoted.extend(results)
+
+    # ---- 2. end of the step: stores, then evictions --------------------------------------------
+    def end_step(self, meta: HybridKVMetadata) -> None:
+        try:
+            self.save(meta)
+        finally:
+            self.follow(meta.orders)
+
+    def save(self, meta: HybridKVMetadata) -> None:
+        """Copy this step's stores out, every entry of the step in one batch, then into
+        the tiers. A failure drops the step's stores (counted, and reported lost to the
+        index): a missed store costs a future hit, never correctness."""
+        copies = [kc for job in meta.stores for kc in job.copies]
+        if not copies:
+            return
+        try:
+            entries = self.copies.gather([kc.copy for kc in copies])
+        except Exception:
+            log.exception("hybridkv: storing a step failed; its entries are dropped")
+            self.stats.failed_stores += 1
+            entries = [None] * len(copies)
+        lost = []
+        for kc, entry in zip(copies, entries, strict=True):
+            stored = entry is not None and self._put(kc.key, entry, kc.cpu)
+            if stored:
+                self.stats.stored_entries += 1
+            if kc.cpu and not stored:
+                lost.append(kc.key)
+        if lost:
+            with self._lock:
+                self._report.lost.extend(lost)
+
+    def _put(self, key: bytes, entry: torch.Tensor, cpu: bool) -> bool:
+        """Whether the CPU tier took the entry (or, for a disk-only store, any tier)."""
+        try:
+            with self._lock:
+                stored = self.store.put(key, entry, cpu)
+                return self.store.cpu.contains(key) if cpu else stored
+        except Exception:
+            log.exception("hybridkv: storing an entry failed")
+            return False
+
+    def follow(self, orders: Orders) -> None:
+        with self._lock:
+            for key in orders.evict:
+                self.store.cpu.delete(key)
+            for key in orders.delete:
+                self.store.delete(key)
+
+    # ---- 3. reports ---------------------------------------------------------------------------
+    def report(self) -> WorkerReport:
+        """What the index must learn: promotions done, disk changes, entries lost."""
+        disk = self.store.disk
+        with self._lock:
+            report, self._report = self._report, WorkerReport()
+            report.epoch = self.epoch
+            if disk is not None:
+                report.disk.extend(disk.take_changes())
+        if disk is not None:
+            disk.rescan_if_stale()
+        return report
 
     def transfer_results(self) -> TransferResults:
         """Loads finished since the last call: failed ones are received too (vLLM must
@@ -130,46 +258,6 @@ class WorkerSide:
         self._received, self._failed = set(), set()
         return out
 
-    def save(self, meta: HybridKVMetadata) -> None:
-        """Copy this step's new chunks out while their blocks are sure to be intact: every
-        entry of the step in one batch, then into the tiers. A failure drops the step's
-        stores (counted): a missed store costs a future hit, never correctness."""
-        try:
-            self._save(meta)
-        except Exception:
-            log.exception("hybridkv: storing a step failed; its entries are dropped")
-            self.stats.failed_stores += 1
-
-    def _save(self, meta: HybridKVMetadata) -> None:
-        staged = [
-            (job.req_id, kc)
-            for job in meta.stores
-            for kc in job.staged
-            if not self.store.contains(kc.key)
-        ]
-        stores = [kc for job in meta.stores for kc in job.copies]
-        entries = self.copies.gather([kc.copy for kc in stores] + [kc.copy for _, kc in staged])
-        for kc, entry in zip(stores, entries[: len(stores)], strict=True):
-            if self.store.put(kc.key, entry):
-                self.stats.stored_entries += 1
-        inserted: dict[str, list[bytes]] = {job.req_id: [] for job in meta.stores if job.staged}
-        for (req_id, kc), entry in zip(staged, entries[len(stores) :], strict=True):
-            if self.store.put(kc.key, entry):
-                inserted[req_id].append(kc.key)
-                self.stats.stored_entries += 1
-        for req_id, keys in inserted.items():
-            self._replace_staged(req_id, keys)
-
-    def _replace_staged(self, req_id: str, inserted: list[bytes]) -> None:
-        """Drop the state a request staged before its newest one, so the state at its last
-        boundary is what survives the request. The newest is stored at once rather than
-        at request end: the next turn may be looked up before the engine takes another
-        step."""
-        for key in self._staged.pop(req_id, ()):
-            self.store.delete(key)
-        self._staged[req_id] = inserted
-
-    def finished(self, finished_req_ids: set[str]) -> None:
-        """A request ended: what it staged last stays stored."""
-        for req_id in finished_req_ids:
-            self._staged.pop(req_id, None)
+    def close(self) -> None:
+        self._promoter.shutdown(wait=True)
+        self.store.close()

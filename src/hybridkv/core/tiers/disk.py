@@ -99,6 +99,51 @@ def _never_raises(fallback: Callable[..., Any] = lambda *_: None) -> Callable[[_
     return wrap
 
 
+class _JournaledIndex(OrderedDict[bytes, int]):
+    """The tier's index (key -> file bytes, least recently used first) that also notes
+    which keys came and went, once someone watches (`DiskTier.take_changes`): the worker
+    reports them to the scheduler side, which plans hits around what is on disk."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.changes: list[tuple[bytes, bool]] | None = None
+        super().__init__(*args, **kwargs)
+
+    def _note(self, key: bytes, present: bool) -> None:
+        if self.changes is not None:
+            self.changes.append((key, present))
+
+    def __setitem__(self, key: bytes, size: int) -> None:
+        if key not in self:
+            self._note(key, True)
+        super().__setitem__(key, size)
+
+    def __delitem__(self, key: bytes) -> None:
+        super().__delitem__(key)
+        self._note(key, False)
+
+    def pop(self, key: bytes, *default: Any) -> Any:
+        present = key in self
+        value = super().pop(key, *default)
+        if present:
+            self._note(key, False)
+        return value
+
+    def popitem(self, last: bool = True) -> tuple[bytes, int]:
+        key, size = super().popitem(last)
+        self._note(key, False)
+        return key, size
+
+    def replace(self, found: list[tuple[bytes, int]]) -> _JournaledIndex:
+        """A new index of `found` (oldest first), watched like this one, with the
+        difference noted."""
+        new = _JournaledIndex(found)
+        if self.changes is not None:
+            new.changes = self.changes
+            new.changes.extend((k, False) for k in self.keys() - new.keys())
+            new.changes.extend((k, True) for k in new.keys() - self.keys())
+        return new
+
+
 class DiskTier(Tier):
     name = "disk"
 
@@ -145,7 +190,7 @@ class DiskTier(Tier):
         _live_tokens.add(self._token)
         self._lock = threading.Lock()
         # key -> file bytes, least recently used first.
-        self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._index = _JournaledIndex()
         self._used = 0
         # Files this tier renamed into place, key -> (st_dev, st_ino): what clear() removes.
         self._written: dict[bytes, tuple[int, int]] = {}
@@ -162,6 +207,7 @@ class DiskTier(Tier):
         self._closed = False
         self.leftovers_removed = 0
         self._last_scan = 0.0
+        self._scanning = False
         self.usable = self._prepare()
         self.writable = self.usable and self._probe_writable()
         if self.usable:
@@ -278,12 +324,34 @@ class DiskTier(Tier):
                 continue
         found.sort()
         with self._lock:
-            self._index = OrderedDict((key, size) for _, key, size in found)
+            self._index = self._index.replace([(key, size) for _, key, size in found])
             self._used = sum(size for _, _, size in found)
             self._written = {k: v for k, v in self._written.items() if k in self._index}
             self._kept = kept
             self._last_scan = time.monotonic()
             self._evict_to(self.capacity)
+
+    def rescan_if_stale(self) -> None:
+        """Start a rescan in the background when the last one is `rescan_seconds` old, so
+        that entries other engines write to a shared directory are found while this one
+        runs (writes trigger rescans too). Never waits on the directory."""
+        with self._lock:
+            if (
+                self._scanning
+                or self._closed
+                or not self.usable
+                or time.monotonic() - self._last_scan <= self.rescan_seconds
+            ):
+                return
+            self._scanning = True
+
+        def scan() -> None:
+            try:
+                self.rescan()
+            finally:
+                self._scanning = False
+
+        self._readers.submit(scan)
 
     def _is_leftover(self, e: os.DirEntry, now: float) -> bool:
         """A temporary file whose writer died: this host's with a dead pid, or with our own
@@ -444,6 +512,18 @@ class DiskTier(Tier):
             s = TierStats(**vars(self._stats))
             s.entries, s.bytes_used = len(self._index), self._used
             return s
+
+    @_never_raises(lambda self, everything=False: [])
+    def take_changes(self, everything: bool = False) -> list[tuple[bytes, bool]]:
+        """Keys that entered (True) or left (False) the index since the last call. The
+        first call, and one with `everything`, returns every key held and (re)starts
+        the watch."""
+        with self._lock:
+            if self._index.changes is None or everything:
+                self._index.changes = []
+                return [(key, True) for key in self._index]
+            changes, self._index.changes = self._index.changes, []
+            return changes
 
     # ---- internals ---------------------------------------------------------------------------
     def _payload_bytes(self, key: bytes) -> int | None:

@@ -1,9 +1,14 @@
-"""CPU-memory tier: a byte budget with least-recently-used eviction."""
+"""CPU-memory tier: a byte budget with least-recently-used eviction.
+
+In an engine the scheduler side's index decides what stays (core/index.py) and this
+tier's budget is only a bound against runaway growth: whatever it evicts on its own is
+passed to `on_evict` (set by the worker), so the index learns that the entry is gone."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -15,6 +20,8 @@ class MemoryTier(Tier):
 
     def __init__(self, capacity_bytes: int):
         self.capacity = capacity_bytes
+        # Called (under the tier's lock) with each key the budget evicts.
+        self.on_evict: Callable[[bytes], None] | None = None
         self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
@@ -44,9 +51,11 @@ class MemoryTier(Tier):
                 self._stats.rejected_puts += 1
                 return False
             while self._used + size > self.capacity:
-                _, old = self._entries.popitem(last=False)
+                old_key, old = self._entries.popitem(last=False)
                 self._used -= old.numel() * old.element_size()
                 self._stats.evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(old_key)
             self._entries[key] = entry
             self._used += size
             self._stats.puts += 1

@@ -1,0 +1,268 @@
+"""What the workers hold, as the scheduler side knows it: the one place hits, CPU-tier
+admission and CPU-tier eviction are decided.
+
+The bytes live in the workers (one per tensor-parallel rank, each in its own process on
+a GPU server), which only do what the step's orders say. The index is therefore exact for
+the CPU tier: an entry is in every rank's memory from the step that stores it until the
+step that evicts it, and nothing else evicts it. So a hit whose entries are all in CPU
+memory is reported at once and its load cannot miss.
+
+The disk tier keeps its own budget and may be shared with other engines, so for it the
+index is a hint built from the workers' reports: a key is on disk once every rank has
+reported it. A hit that needs a disk entry is never reported from the hint: the entry is
+first *promoted* (read by every rank in the background, verified, put in CPU memory) and
+the lookup answers "ask again" meanwhile, so the scheduler never waits on a read and a
+damaged file is a miss before the hit is reported, never a failed load.
+
+Entries a request's pending hit or load needs are pinned: eviction passes over them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class IndexStats:
+    """Monotonic counters (they only ever grow)."""
+
+    cpu_evictions: int = 0
+    promotions: int = 0  # entries read from disk into every rank's memory
+    failed_promotions: int = 0  # a rank could not read or verify the entry
+    lost: int = 0  # entries a rank reported it does not hold after all (a failed store)
+    cpu_full: int = 0  # entries not admitted to CPU memory: the rest of it was pinned
+
+
+@dataclass
+class Orders:
+    """What the workers must do to follow the index, gathered until the next step."""
+
+    evict: list[bytes] = field(default_factory=list)  # drop from CPU memory only
+    delete: list[bytes] = field(default_factory=list)  # drop from every tier
+    promote: list[bytes] = field(default_factory=list)  # read from disk into CPU memory
+    clear: bool = False  # drop everything this engine stored (before the rest)
+
+
+@dataclass
+class WorkerReport:
+    """What one worker tells the index after a step (through vLLM's worker metadata)."""
+
+    epoch: int = 0  # of the orders the worker followed last
+    promoted: list[tuple[int, bytes, bool]] = field(default_factory=list)  # (epoch, key, ok)
+    disk: list[tuple[bytes, bool]] = field(default_factory=list)  # key entered/left the disk
+    lost: list[bytes] = field(default_factory=list)  # CPU entries it does not hold after all
+    listed: bool = False  # `disk` lists every entry on its disk (its first report)
+
+    def __bool__(self) -> bool:
+        return bool(self.promoted or self.disk or self.lost or self.listed)
+
+    def merge(self, later: WorkerReport) -> WorkerReport:
+        return WorkerReport(
+            later.epoch,
+            self.promoted + later.promoted,
+            self.disk + later.disk,
+            self.lost + later.lost,
+            self.listed or later.listed,
+        )
+
+
+class StoreIndex:
+    def __init__(self, cpu_capacity: int, ranks: int = 1, disk: bool = False):
+        """`cpu_capacity`: bytes of CPU memory for entries, over all ranks. `ranks`: how
+        many workers must report an entry before it counts as theirs. `disk`: the
+        workers have a disk tier, and the index is not `ready` until each has listed
+        it."""
+        self.capacity = cpu_capacity
+        self.ranks = ranks
+        self._listed: set[int] | None = set() if disk else None
+        self._cpu: OrderedDict[bytes, int] = OrderedDict()  # key -> bytes, LRU first
+        self._used = 0
+        self._promoting: dict[bytes, set[int]] = {}  # key -> ranks that reported it read
+        self._disk: dict[bytes, set[int]] = {}  # key -> ranks that reported it stored
+        self._pins: Counter[bytes] = Counter()
+        self.epoch = 0  # advanced by `clear`: reports from an older epoch are stale
+        self.orders = Orders()
+        self.stats = IndexStats()
+
+    # ---- questions ------------------------------------------------------------------------
+    def ready(self) -> bool:
+        """Every rank has listed its disk (always, without one): until then a lookup
+        would miss what an earlier process stored."""
+        return self._listed is None or len(self._listed) >= self.ranks
+
+    def in_cpu(self, key: bytes) -> bool:
+        return key in self._cpu and key not in self._promoting
+
+    def promoting(self, key: bytes) -> bool:
+        return key in self._promoting
+
+    def on_disk(self, key: bytes) -> bool:
+        ranks = self._disk.get(key)
+        return ranks is not None and len(ranks) >= self.ranks
+
+    def known(self, key: bytes) -> bool:
+        """Held somewhere, or on its way: worth planning a hit around."""
+        return key in self._cpu or self.on_disk(key)
+
+    # ---- pins -----------------------------------------------------------------------------
+    def pin(self, keys: Iterable[bytes]) -> None:
+        self._pins.update(keys)
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        self._pins.subtract(keys)
+        self._pins = +self._pins  # drop zero (and, defensively, negative) counts
+
+    def pinned(self) -> int:
+        return sum(self._pins.values())
+
+    # ---- CPU memory -------------------------------------------------------------------------
+    def touch(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            if key in self._cpu:
+                self._cpu.move_to_end(key)
+
+    def admit(self, key: bytes, nbytes: int) -> bool:
+        """Make room for a new entry (evicting the least recently used unpinned ones) and
+        count it in; False, and nothing evicted, if it cannot fit."""
+        if key in self._cpu:
+            self._cpu.move_to_end(key)
+            return True
+        nbytes *= self.ranks
+        if not self._make_room(nbytes):
+            self.stats.cpu_full += 1
+            return False
+        self._cpu[key] = nbytes
+        self._used += nbytes
+        # Dropped earlier this step and stored again: the workers' copy stays good.
+        for dropped in (self.orders.evict, self.orders.delete):
+            if key in dropped:
+                dropped.remove(key)
+        return True
+
+    def _make_room(self, nbytes: int) -> bool:
+        if nbytes > self.capacity:
+            return False
+        free = self.capacity - self._used
+        victims = []
+        for key, size in self._cpu.items():
+            if free >= nbytes:
+                break
+            if self._pins[key] == 0 and key not in self._promoting:
+                victims.append(key)
+                free += size
+        if free < nbytes:
+            return False
+        for key in victims:
+            self._drop_cpu(key)
+            self.orders.evict.append(key)
+            self.stats.cpu_evictions += 1
+        return True
+
+    def evict_all(self) -> int:
+        """Evict every unpinned entry from CPU memory (what stays below is still found);
+        how many."""
+        victims = [k for k in self._cpu if self._pins[k] == 0 and k not in self._promoting]
+        for key in victims:
+            self._drop_cpu(key)
+            self.orders.evict.append(key)
+        self.stats.cpu_evictions += len(victims)
+        return len(victims)
+
+    def _drop_cpu(self, key: bytes) -> None:
+        size = self._cpu.pop(key, None)
+        if size is not None:
+            self._used -= size
+        self._promoting.pop(key, None)
+
+    def delete(self, key: bytes) -> None:
+        """Forget the entry everywhere and have the workers delete it; a pinned entry (a
+        pending hit reads it) stays."""
+        if self._pins[key] > 0:
+            return
+        self._drop_cpu(key)
+        self._disk.pop(key, None)
+        self.orders.delete.append(key)
+
+    # ---- promotions -----------------------------------------------------------------------
+    def promote(self, key: bytes, nbytes: int) -> bool:
+        """Have every rank read a disk entry into CPU memory; False if there is no room
+        (the hit then stops short of it). A promotion under way is not started again."""
+        if key in self._cpu:
+            return True
+        if not self.admit(key, nbytes):
+            return False
+        self._promoting[key] = set()
+        self.orders.promote.append(key)
+        return True
+
+    def promoted(self, epoch: int, rank: int, key: bytes, ok: bool) -> None:
+        """A rank's report on a promotion. Any rank's failure fails it for all (ranks that
+        read it are told to drop it); it is in CPU memory once every rank has it."""
+        if epoch != self.epoch or key not in self._promoting:
+            return
+        if not ok:
+            self.stats.failed_promotions += 1
+            self._drop_cpu(key)
+            self.orders.evict.append(key)
+            self._disk.pop(key, None)  # damaged or gone: never planned around again
+            return
+        ranks = self._promoting[key]
+        ranks.add(rank)
+        if len(ranks) >= self.ranks:
+            del self._promoting[key]
+            self.stats.promotions += 1
+
+    # ---- worker reports -------------------------------------------------------------------
+    def disk_changed(self, epoch: int, rank: int, key: bytes, present: bool) -> None:
+        if epoch != self.epoch:
+            return
+        if present:
+            self._disk.setdefault(key, set()).add(rank)
+        elif key in self._disk:
+            self._disk[key].discard(rank)
+            if not self._disk[key]:
+                del self._disk[key]
+
+    def lost(self, epoch: int, key: bytes) -> None:
+        """A rank does not hold an entry the index has in CPU memory (its store failed)."""
+        if epoch == self.epoch and key in self._cpu and key not in self._promoting:
+            self.stats.lost += 1
+            self._drop_cpu(key)
+            self.orders.evict.append(key)
+
+    def apply(self, rank: int, report: WorkerReport) -> None:
+        if report.listed and report.epoch == self.epoch and self._listed is not None:
+            self._listed.add(rank)
+        for epoch, key, ok in report.promoted:
+            self.promoted(epoch, rank, key, ok)
+        for key, present in report.disk:
+            self.disk_changed(report.epoch, rank, key, present)
+        for key in report.lost:
+            self.lost(report.epoch, key)
+
+    # ---- steps ----------------------------------------------------------------------------
+    def take_orders(self) -> Orders:
+        orders, self.orders = self.orders, Orders()
+        return orders
+
+    def clear(self) -> None:
+        """Forget everything; the workers drop what this engine stored. Pins stay (their
+        requests release them) but protect nothing any more."""
+        self._cpu.clear()
+        self._used = 0
+        self._promoting.clear()
+        self._disk.clear()
+        self.epoch += 1
+        self.orders = Orders(clear=True)
+
+    def gauges(self) -> dict[str, int]:
+        return {
+            "cpu_entries": len(self._cpu),
+            "cpu_bytes": self._used,
+            "cpu_capacity_bytes": self.capacity,
+            "disk_entries": sum(1 for r in self._disk.values() if len(r) >= self.ranks),
+            "promoting": len(self._promoting),
+            "held_entries": self.pinned(),
+        }

@@ -1,0 +1,75 @@
+"""A restore from disk never stalls the engine: the scheduler never waits on a read.
+
+The lookup of a hit whose entries are only on disk answers "ask again" while every rank
+reads them in the background; meanwhile the engine keeps stepping, and a request that
+is decoding gets its token in every step. Counted in engine steps, not wall time: before
+this design the whole read ran inside one `schedule()` call, so there was no step in
+which the restoring request waited and the others went on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import tokens
+
+from hybridkv.engine import drop_cpu_tier, generate, scheduler_connector
+
+pytestmark = pytest.mark.engine
+
+
+def _drop_page_cache(root) -> int:
+    files = list(root.rglob("*.kv"))
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return len(files)
+
+
+@pytest.mark.parametrize("arch", ["qwen3-next", "gemma3"])
+def test_decoding_goes_on_while_a_prefix_is_read_from_disk(
+    arch, model_dirs, engine_factory, tmp_path
+):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = {"cpu_bytes": "256MiB", "disk_path": str(tmp_path), "disk_bytes": "1GiB"}
+    llm = engine_factory(model_dirs[arch], extra)
+    long = tokens(3000, seed=41)
+    generate(llm, [long], max_tokens=1)  # stores it
+    drop_cpu_tier(llm)
+    llm.reset_prefix_cache()
+    assert _drop_page_cache(tmp_path) > 0
+    side = scheduler_connector(llm).scheduler_side
+    engine = llm.llm_engine
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+
+    engine.add_request("decoder", TokensPrompt(prompt_token_ids=tokens(40, seed=42)), params(60))
+    decoded = 0
+    while decoded < 3:  # decoding, past its prefill
+        decoded = max([len(o.outputs[0].token_ids) for o in engine.step()] or [decoded])
+    waits = side.stats.waits
+    engine.add_request("restorer", TokensPrompt(prompt_token_ids=long), params(1))
+    gains, waiting_steps, restored = [], 0, None
+    while engine.has_unfinished_requests():
+        waiting = side.stats.waits
+        outs = {o.request_id: o for o in engine.step()}
+        if decoded < 60:  # a step without the decoder's token is a stall
+            n = len(outs["decoder"].outputs[0].token_ids) if "decoder" in outs else decoded
+            gains.append(n - decoded)
+            decoded = n
+            if side.stats.waits > waiting:
+                waiting_steps += 1
+        if "restorer" in outs and outs["restorer"].finished:
+            restored = outs["restorer"].num_cached_tokens
+    # The restore took steps of its own, and the decoder got a token in every step.
+    assert side.stats.waits > waits and waiting_steps >= 1
+    assert decoded == 60 and set(gains) == {1}, gains
+    assert restored == (len(long) - 1) // side.planner.chunk_tokens * side.planner.chunk_tokens
+    assert side.snapshot()["held_entries"] == 0
