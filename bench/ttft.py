@@ -14,6 +14,11 @@ repeats; every ratio is taken against the native hit measured in the same proces
 
     .venv/bin/python bench/ttft.py                          # qwen3-next small, 8k tokens
     .venv/bin/python bench/ttft.py --arch gemma3            # sliding window: bytes loaded
+    .venv/bin/python bench/ttft.py --tp 2                   # two ranks, `mp` executor
+
+With `--tp` > 1 the workers run in processes of their own (one core each on a 2-core
+machine): the `disk` mode, which empties the CPU tier from inside the worker, is left
+out; `restart` still times a restore from disk.
 """
 
 from __future__ import annotations
@@ -46,12 +51,20 @@ def start_engine(args: argparse.Namespace):
     model = make_model(args.arch, args.model or default_model_dir(args.arch, args.size), args.size)
     extra = {"cpu_bytes": args.cpu_bytes, "disk_path": args.disk_path, "disk_bytes": "64GiB"}
     room = args.prompt_tokens + 64
+    parallel = {}
+    if args.tp > 1:
+        parallel = {"tensor_parallel_size": args.tp, "distributed_executor_backend": "mp"}
+        cores = os.cpu_count() or args.tp
+        per = max(cores // args.tp, 1)
+        binds = [f"{r * per}-{r * per + per - 1}" if per > 1 else str(r) for r in range(args.tp)]
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(binds))
     return make_llm(
         str(model),
         extra,
         kv_cache_bytes=args.kv_cache_bytes,
         max_model_len=room,
         max_num_batched_tokens=room,
+        **parallel,
     )
 
 
@@ -63,9 +76,12 @@ def timed(llm, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - t, out.num_cached_tokens
 
 
-def loaded_bytes() -> int:
+def loaded_bytes(llm) -> int:
+    """Bytes the in-process worker wrote into the KV cache (0 with workers elsewhere)."""
     from hybridkv.engine import worker_connector
 
+    if llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend != "uni":
+        return 0
     return worker_connector().worker_side.stats.loaded_bytes
 
 
@@ -85,14 +101,15 @@ def run(args: argparse.Namespace, modes: list[str]) -> dict:
                 llm.reset_prefix_cache()
             if mode == "disk":
                 drop_cpu_tier(llm)
-            before = loaded_bytes()
+            before = loaded_bytes(llm)
             t, hit = timed(llm, prompt)
             times[mode].append(t)
             hits[mode].append(hit)
-            loads[mode].append(loaded_bytes() - before)
+            loads[mode].append(loaded_bytes(llm) - before)
             # Let the disk writers finish what this run queued: on a small machine they
             # would otherwise slow down the next timed run (overhead.py measures them).
-            sync_tiers(llm)
+            if args.tp == 1:
+                sync_tiers(llm)
     per_token = sum(g.block_bytes / g.block_tokens for g in layout.groups if g.kind != "state")
     return {
         "ttft_s": {m: statistics.median(v) for m, v in times.items()},
@@ -114,6 +131,7 @@ def main() -> None:
     p.add_argument("--cpu-bytes", default="4GiB")
     p.add_argument("--kv-cache-bytes", type=int, default=2 << 30)
     p.add_argument("--disk-path", help="disk tier directory (default: a new temporary one)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--json", type=Path, default=RESULTS / "ttft.json")
     p.add_argument("--restart-phase", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -126,7 +144,9 @@ def main() -> None:
     if args.disk_path is None:
         tmp = tempfile.TemporaryDirectory(prefix="hybridkv-bench-")
         args.disk_path = tmp.name
-    first = run(args, ["cold", "native", "cpu", "disk"])
+    first = run(
+        args, ["cold", "native", "cpu", "disk"] if args.tp == 1 else ["cold", "native", "cpu"]
+    )
     child = [sys.executable, __file__, "--restart-phase", *sys.argv[1:]]
     child += ["--disk-path", args.disk_path]
     out = subprocess.run(child, capture_output=True, text=True, check=True).stdout
@@ -137,7 +157,12 @@ def main() -> None:
         ("cold", t1["cold"], t1["cold"] / t1["native"], first["hit_tokens"]["cold"]),
         ("native prefix hit", t1["native"], 1.0, first["hit_tokens"]["native"]),
         ("hybridkv CPU tier", t1["cpu"], t1["cpu"] / t1["native"], first["hit_tokens"]["cpu"]),
-        ("hybridkv disk", t1["disk"], t1["disk"] / t1["native"], first["hit_tokens"]["disk"]),
+    ]
+    if "disk" in t1:
+        rows.append(
+            ("hybridkv disk", t1["disk"], t1["disk"] / t1["native"], first["hit_tokens"]["disk"])
+        )
+    rows += [
         ("restart: native hit", t2["native"], 1.0, second["hit_tokens"]["native"]),
         (
             "restart: hybridkv disk",
@@ -146,7 +171,10 @@ def main() -> None:
             second["hit_tokens"]["restart"],
         ),
     ]
-    print(f"{args.arch}/{args.size}, {args.prompt_tokens}-token prompt, {args.repeats} prompts")
+    print(
+        f"{args.arch}/{args.size}, TP {args.tp}, {args.prompt_tokens}-token prompt, "
+        f"{args.repeats} prompts"
+    )
     print(f"{'':24}{'TTFT ms':>10}{'x native':>10}{'tokens hit':>12}")
     for name, t, ratio, hit in rows:
         print(f"{name:24}{t * 1e3:10.1f}{ratio:10.2f}{hit:12}")
@@ -162,6 +190,7 @@ def main() -> None:
         "size": args.size,
         "prompt_tokens": args.prompt_tokens,
         "repeats": args.repeats,
+        "tp": args.tp,
         "date": time.strftime("%Y-%m-%d"),
         "machine": os.uname().nodename,
         "same_process": first,

@@ -67,9 +67,36 @@ def test_bad_config_fails_at_start_naming_the_key(model_dirs, engine_factory, ex
     assert key in str(info.value)
 
 
-def test_an_executor_in_another_process_is_refused_naming_the_setting(model_dirs, engine_factory):
-    """With TP = 1 but the `mp` executor the two connector sides would live in two
-    processes, each with its own store: refused at start until that layout is built."""
-    with pytest.raises(Exception) as info:
-        engine_factory(model_dirs["qwen3"], distributed_executor_backend="mp")
-    assert "distributed_executor_backend" in str(info.value)
+@pytest.mark.parametrize(
+    ("parallel", "key"),
+    [
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+        ({"data_parallel_size": 2}, "data_parallel_size"),
+        ({"distributed_executor_backend": "ray"}, "distributed_executor_backend"),
+        ({"distributed_executor_backend": "external_launcher"}, "distributed_executor_backend"),
+        ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, None),
+        ({"distributed_executor_backend": "uni"}, None),
+    ],
+)
+def test_process_layouts_without_per_step_channels_are_refused(parallel, key):
+    """Workers must report to this engine's scheduler side through vLLM's per-step
+    channels; layouts where they would not (or that are untested) fail at start, naming
+    the setting."""
+    from types import SimpleNamespace
+
+    from hybridkv.core.config import ConfigError
+    from hybridkv.vllm.connector import check_process_layout
+
+    pc = {
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "data_parallel_size": 1,
+        "distributed_executor_backend": None,
+        **parallel,
+    }
+    config = SimpleNamespace(parallel_config=SimpleNamespace(**pc))
+    if key is None:
+        check_process_layout(config)
+        return
+    with pytest.raises(ConfigError, match=key):
+        check_process_layout(config)
