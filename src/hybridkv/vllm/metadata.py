@@ -33,10 +33,33 @@ class RequestLoad:
     failed: bool = False
 
 
+@dataclass(frozen=True)
+class TaggedCopy:
+    """A store whose key is not known yet (under async scheduling, the step's last input
+    token is still being sampled): the workers gather it now, while its blocks are sure
+    to hold it, and keep it under `tag` until a later step names or drops it."""
+
+    tag: int
+    copy: EntryCopy
+
+
+@dataclass(frozen=True)
+class TagName:
+    """The fate of a tagged entry: stored under `key` (into CPU memory too if `cpu`), or
+    dropped (`key` None)."""
+
+    tag: int
+    key: bytes | None
+    cpu: bool = True
+
+
 @dataclass
 class RequestStore:
     req_id: str
     copies: list[KeyedCopy]
+    tagged: list[TaggedCopy] = field(default_factory=list)  # gather, keep under a tag
+    # Entries tagged in earlier steps (of this request), named or dropped now.
+    named: list[TagName] = field(default_factory=list)
 
 
 @dataclass

@@ -17,6 +17,7 @@ a later step through the ordinary path.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -29,7 +30,14 @@ from hybridkv.core.keys import extend_chain, group_key, split_group_key
 from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.planner import NULL_BLOCK, EntryCopy, Planner
 from hybridkv.core.policy import CheckpointPolicy, StateAction
-from hybridkv.vllm.metadata import HybridKVMetadata, KeyedCopy, RequestLoad, RequestStore
+from hybridkv.vllm.metadata import (
+    HybridKVMetadata,
+    KeyedCopy,
+    RequestLoad,
+    RequestStore,
+    TaggedCopy,
+    TagName,
+)
 from hybridkv.vllm.request_identity import KeyContext, key_context
 
 if TYPE_CHECKING:
@@ -61,6 +69,18 @@ class SchedulerStats:
     hook_errors: int = 0  # exceptions caught at the connector boundary
 
 
+@dataclass(frozen=True)
+class _Tagged:
+    """A store the workers gathered under `tag` before every token of its key was known
+    (async scheduling): named once they are, dropped if they never will be."""
+
+    tag: int
+    end: int  # its key covers tokens [0, end)
+    copy: EntryCopy
+    staged: bool  # a decode-time state the policy stages
+    preemptions: int  # the request's `num_preemptions` when it was gathered
+
+
 @dataclass
 class _RequestState:
     request: Request
@@ -73,6 +93,8 @@ class _RequestState:
     waiting_since: float | None = None  # first "ask again" of this wait
     staged: list[bytes] = field(default_factory=list)  # its newest decode-time state
     load_failed: bool = False  # vLLM recomputes it: no more hits for it
+    tagged: list[_Tagged] = field(default_factory=list)  # gathered, not named yet
+    drafted: bool = False  # has had speculative tokens: keyed on known tokens only
 
 
 class SchedulerSide:
@@ -99,6 +121,10 @@ class SchedulerSide:
         self._load_pins: list[bytes] = []  # released once the loads are sent
         self._manager: KVCacheManager | None = None
         self._state_groups = [g for g, s in enumerate(layout.groups) if s.kind is GroupKind.STATE]
+        self._tags = itertools.count()
+        self._tagged: set[str] = set()  # requests with tagged stores
+        # Tagged stores of finished requests, settled at finish: (index epoch, names).
+        self._settled: list[tuple[int, RequestStore]] = []
         self.stats = SchedulerStats()
         self._last_log = self._started = time.monotonic()
 
@@ -266,6 +292,22 @@ class SchedulerSide:
         return meta
 
     def _plan_stores(self, out: SchedulerOutput) -> list[RequestStore]:
+        """The stores of this step: first the fate of entries tagged in earlier steps
+        (they go out even if planning this step's fails), then this step's copies."""
+        stores = self._settle_finished() + self._settle_running()
+        try:
+            stores += self._plan_copies(out)
+        except Exception:
+            log.exception("hybridkv: planning this step's stores failed; none are made")
+            self.stats.hook_errors += 1
+        return stores
+
+    def _plan_copies(self, out: SchedulerOutput) -> list[RequestStore]:
+        """Every attention chunk this step's forward completes and every recurrent state
+        the policy keeps among those it writes, gathered in this step (while their blocks
+        certainly hold them). A copy whose key's tokens are all known is keyed now; one
+        whose key needs the token the step before is still sampling (async scheduling)
+        is tagged, and named by a later step (`_settle`)."""
         C = self.planner.chunk_tokens
         offers = self._state_offers(out)
         stores = []
@@ -276,40 +318,141 @@ class SchedulerSide:
             req = st.request
             n = out.num_scheduled_tokens.get(req_id, 0)
             start = req.num_computed_tokens
-            end = min(start + n, req.num_tokens)
+            known = req.num_tokens
+            limit = known + self._keyable_inputs(st, out)
+            end = min(start + n, limit)
             chunks = range(st.stored_chunks, end // C) if n > 0 else range(0)
-            states = offers.get(req_id, {})
+            states = {b: c for b, c in offers.get(req_id, {}).items() if b <= limit}
             block_ids = None
             if n > 0 and end not in states and self._decode_boundary(req, start, end):
                 block_ids = self._manager.get_block_ids(req_id)
                 states[end] = self._decode_state(end, block_ids)
-            store_at: list[EntryCopy] = []
-            stage_at: list[EntryCopy] = []
-            for boundary, copies in states.items():
-                action = self.policy.decide(boundary, req.num_prompt_tokens)
-                if action is StateAction.STORE:
-                    store_at.extend(copies)
-                elif action is StateAction.STAGE:
-                    stage_at.extend(copies)
-            if not chunks and not store_at and not stage_at:
-                continue
-            keys = self._keys(st, max([end, *states]))
+            plan: list[tuple[int, EntryCopy, bool]] = []  # (tokens its key covers, copy, staged)
             if chunks:
                 st.stored_chunks = max(st.stored_chunks, end // C)
                 if block_ids is None:
                     block_ids = self._manager.get_block_ids(req_id)
-            attention = self.planner.store_plan(chunks, block_ids) if chunks else []
-            copies = self._admit(_keyed(keys, attention + store_at))
-            if stage_at:
-                staged = self._admit(_keyed(keys, stage_at))
-                if staged:  # the newest state replaces the one staged before
-                    for key in st.staged:
-                        self.index.delete(key)
-                    st.staged = [kc.key for kc in staged]
-                    copies += staged
-            if copies:
-                stores.append(RequestStore(req_id, copies))
+                plan += [
+                    ((c.chunk + 1) * C, c, False)
+                    for c in self.planner.store_plan(chunks, block_ids)
+                ]
+            for boundary, copies in states.items():
+                action = self.policy.decide(boundary, req.num_prompt_tokens)
+                if action is not None:
+                    plan += [(boundary, c, action is StateAction.STAGE) for c in copies]
+            keyed = self._name(st, [(c, staged) for e, c, staged in plan if e <= known])
+            tagged = self._tag(st, [(e, c, staged) for e, c, staged in plan if e > known])
+            if keyed or tagged:
+                stores.append(RequestStore(req_id, keyed, tagged))
         return stores
+
+    def _keyable_inputs(self, st: _RequestState, out: SchedulerOutput) -> int:
+        """How many of the step's input tokens past those known its stores may still be
+        keyed on: under async scheduling, the one token the step before is sampling, which
+        vLLM appends as sampled when it processes that step (or never: the request
+        finished or was preempted first). Speculative tokens may be rejected and their
+        positions sampled again, so a request that has had any gets none."""
+        req = st.request
+        if out.scheduled_spec_decode_tokens.get(req.request_id):
+            st.drafted = True
+        return int(req.num_output_placeholders == 1 and not st.drafted)
+
+    def _name(self, st: _RequestState, copies: list[tuple[EntryCopy, bool]]) -> list[KeyedCopy]:
+        """Key copies whose tokens are all known; the ones admitted (see `_admit`). The
+        staged states admitted replace those the request staged before."""
+        if not copies:
+            return []
+        keys = self._keys(st, (max(c.chunk for c, _ in copies) + 1) * self.planner.chunk_tokens)
+        stored = self._admit(_keyed(keys, [c for c, staged in copies if not staged]))
+        staged = self._admit(_keyed(keys, [c for c, staged in copies if staged]))
+        if staged:  # the newest state replaces the one staged before
+            for key in st.staged:
+                self.index.delete(key)
+            st.staged = [kc.key for kc in staged]
+        return stored + staged
+
+    def _tag(
+        self, st: _RequestState, copies: list[tuple[int, EntryCopy, bool]]
+    ) -> list[TaggedCopy]:
+        preemptions = st.request.num_preemptions
+        tagged = [_Tagged(next(self._tags), e, c, staged, preemptions) for e, c, staged in copies]
+        if tagged:
+            st.tagged += tagged
+            self._tagged.add(st.request.request_id)
+        return [TaggedCopy(t.tag, t.copy) for t in tagged]
+
+    def _settle(self, st: _RequestState, finished: bool) -> list[TagName]:
+        """Name the request's tagged stores whose tokens are all known now; drop those
+        whose tokens never will be: the request was preempted since (vLLM may drop the
+        token in flight and sample its position again), or finished first. The request's
+        tags change only once all is decided (an error leaves them to the next try)."""
+        req = st.request
+        ready: list[_Tagged] = []
+        names: list[TagName] = []
+        waiting: list[_Tagged] = []
+        for t in st.tagged:
+            if t.preemptions != req.num_preemptions:
+                names.append(TagName(t.tag, None))
+                if t.copy.group not in self._state_groups:  # store it when recomputed
+                    st.stored_chunks = min(st.stored_chunks, t.copy.chunk)
+            elif req.num_tokens >= t.end:
+                ready.append(t)
+            elif finished or req.num_output_placeholders == 0:
+                names.append(TagName(t.tag, None))  # no output in flight can bring it
+            else:
+                waiting.append(t)
+        keyed = {
+            (kc.copy.group, kc.copy.chunk): kc
+            for kc in self._name(st, [(t.copy, t.staged) for t in ready])
+        }
+        for t in ready:
+            kc = keyed.get((t.copy.group, t.copy.chunk))
+            names.append(TagName(t.tag, kc.key, kc.cpu) if kc else TagName(t.tag, None))
+        st.tagged = waiting
+        return names
+
+    def _settle_running(self) -> list[RequestStore]:
+        stores = []
+        for req_id in list(self._tagged):
+            st = self._reqs.get(req_id)
+            names = self._settle(st, finished=False) if st is not None else []
+            if names:
+                stores.append(RequestStore(req_id, [], named=names))
+            if st is None or not st.tagged:
+                self._tagged.discard(req_id)
+        return stores
+
+    def _settle_finished(self) -> list[RequestStore]:
+        """The names given at finish. They were admitted to the index then, so that the
+        next lookup finds them (the workers store them before the step's loads); if the
+        index was cleared since, they are dropped instead."""
+        stores = []
+        for epoch, store in self._settled:
+            if epoch != self.index.epoch:
+                store = RequestStore(
+                    store.req_id, [], named=[TagName(n.tag, None) for n in store.named]
+                )
+            stores.append(store)
+        self._settled = []
+        return stores
+
+    def _finish_tagged(self, st: _RequestState) -> None:
+        req_id = st.request.request_id
+        self._tagged.discard(req_id)
+        if not st.tagged:
+            return
+        try:
+            names = self._settle(st, finished=True)
+        except Exception:
+            log.exception("hybridkv: naming the last stores of %s failed; they are dropped", req_id)
+            self.stats.hook_errors += 1
+            names = [TagName(t.tag, None) for t in st.tagged]
+        self._settled.append((self.index.epoch, RequestStore(req_id, [], named=names)))
+
+    def pending_tags(self) -> int:
+        """Tagged stores not named or dropped yet: the workers hold an entry for each."""
+        running = sum(len(self._reqs[r].tagged) for r in self._tagged if r in self._reqs)
+        return running + sum(len(store.named) for _, store in self._settled)
 
     def _admit(self, copies: Iterable[KeyedCopy]) -> list[KeyedCopy]:
         """The copies worth making: entries not held yet, each admitted to CPU memory
@@ -327,9 +470,12 @@ class SchedulerSide:
     def _decode_boundary(self, req: Request, start: int, end: int) -> bool:
         """Whether this step ends decoding on a chunk boundary past the prompt's
         checkpoint. vLLM hands off only prompt-time states (decode-time blocks get no
-        hash), so this is the one state derived here: in align mode the running state
-        sits in block `end / block - 1` when a step ends there, and stays until the next
-        step retires that block (speculative decoding, which moves it, is refused)."""
+        hash), so this is the one state derived here: in align mode a step that ends at
+        `end` leaves the running state in block `cdiv(end, block) - 1` (the model runner
+        copies the previous state there before the forward), and the workers gather it
+        at the end of that very step, before any later step can retire or reuse the
+        block (speculative decoding, which moves it, is refused). `end` counts the token
+        the step before is still sampling under async scheduling (see `_plan_copies`)."""
         if self.policy is None or not self._state_groups or end <= start:
             return False
         C = self.planner.chunk_tokens
@@ -402,6 +548,7 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
             self._pin(st, [])
+            self._finish_tagged(st)
         return False
 
     def reset(self) -> None:

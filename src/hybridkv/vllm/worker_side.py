@@ -3,11 +3,14 @@ rank's KV cache. It holds the rank's share of every entry and does what the step
 orders say; it decides nothing.
 
 Each step (vLLM calls the hooks in this order):
-1. `begin_step` (`start_load_kv`): a clear first, if ordered; then the step's loads,
-   written from CPU memory into their blocks in one batch; then promotions, handed to a
-   background thread (a disk read never holds up the step).
+1. `begin_step` (`start_load_kv`): a clear first, if ordered; then the entries tagged in
+   earlier steps that the scheduler side names now, stored (or dropped); then the step's
+   loads, written from CPU memory into their blocks in one batch (a load may read an
+   entry just named); then promotions, handed to a background thread (a disk read never
+   holds up the step).
 2. `end_step` (`wait_for_save`): the step's stores, copied out while their blocks are
-   sure to be intact, into CPU memory and the disk queue; then evictions and deletions
+   sure to be intact, into CPU memory and the disk queue, or kept under a tag while
+   their keys' tokens are not known yet (async scheduling); then evictions and deletions
    (after the stores: an entry stored and evicted in one step ends up evicted, as the
    index has it).
 3. `report` (`build_connector_worker_meta`): promotions done, disk entries come and
@@ -76,6 +79,8 @@ class WorkerSide:
         # The first report lists the whole disk tier (what earlier processes stored).
         self._report = WorkerReport(listed=store.disk is not None)
         self._promoter = ThreadPoolExecutor(1, thread_name_prefix="hybridkv-promote")
+        # Entries gathered before their keys were known, by tag, until named or dropped.
+        self._staged: dict[int, torch.Tensor] = {}
         self.stats = WorkerStats()
         if isinstance(store.cpu, MemoryTier):
             store.cpu.on_evict = self.lost
@@ -112,6 +117,7 @@ class WorkerSide:
                     self._report.disk = disk.take_changes(everything=True)
                     self._report.listed = True
         self.epoch = meta.epoch
+        self.name(meta)
         self.load(meta)
         if meta.orders.promote:
             self._promoter.submit(self._promote, meta.epoch, list(meta.orders.promote))
@@ -199,24 +205,56 @@ class WorkerSide:
 
     def save(self, meta: HybridKVMetadata) -> None:
         """Copy this step's stores out, every entry of the step in one batch, then into
-        the tiers. A failure drops the step's stores (counted, and reported lost to the
-        index): a missed store costs a future hit, never correctness."""
+        the tiers; tagged ones are kept until a later step names them. A failure drops
+        the step's stores (counted, and reported lost to the index): a missed store costs
+        a future hit, never correctness."""
         copies = [kc for job in meta.stores for kc in job.copies]
-        if not copies:
+        tagged = [tc for job in meta.stores for tc in job.tagged]
+        if not copies and not tagged:
             return
         try:
-            entries = self.copies.gather([kc.copy for kc in copies])
+            entries = self.copies.gather([c.copy for c in (*copies, *tagged)])
         except Exception:
             log.exception("hybridkv: storing a step failed; its entries are dropped")
             self.stats.failed_stores += 1
-            entries = [None] * len(copies)
+            entries = [None] * (len(copies) + len(tagged))
+        self._store(
+            [(kc.key, e, kc.cpu) for kc, e in zip(copies, entries[: len(copies)], strict=True)]
+        )
+        for tc, entry in zip(tagged, entries[len(copies) :], strict=True):
+            if entry is not None:  # a name finding none reports the entry lost
+                self._staged[tc.tag] = entry
+
+    def name(self, meta: HybridKVMetadata) -> None:
+        """Store the entries tagged in earlier steps that the scheduler side names now,
+        under their keys, and drop the ones it drops."""
+        try:
+            named = []
+            for job in meta.stores:
+                for n in job.named:
+                    entry = self._staged.pop(n.tag, None)
+                    if n.key is not None:
+                        named.append((n.key, entry, n.cpu))
+            self._store(named)
+        except Exception:
+            log.exception("hybridkv: storing named entries failed")
+            self.stats.hook_errors += 1
+
+    @property
+    def staged_entries(self) -> int:
+        """Entries kept under a tag, waiting for their names."""
+        return len(self._staged)
+
+    def _store(self, items: list[tuple[bytes, torch.Tensor | None, bool]]) -> None:
+        """Put (key, entry, into CPU memory too) into the tiers; an entry the index
+        counts in CPU memory that is missing or not taken is reported lost."""
         lost = []
-        for kc, entry in zip(copies, entries, strict=True):
-            stored = entry is not None and self._put(kc.key, entry, kc.cpu)
+        for key, entry, cpu in items:
+            stored = entry is not None and self._put(key, entry, cpu)
             if stored:
                 self.stats.stored_entries += 1
-            if kc.cpu and not stored:
-                lost.append(kc.key)
+            if cpu and not stored:
+                lost.append(key)
         if lost:
             with self._lock:
                 self._report.lost.extend(lost)
