@@ -50,18 +50,14 @@ def free_port() -> int:
 
 
 def server_env() -> dict[str, str]:
-    """The server's environment: nothing downloaded, POST /reset_prefix_cache available,
-    and VLLM_ENABLE_V1_MULTIPROCESSING=0. The API server still runs the engine core in a
-    process of its own (AsyncLLM always does), but on the CPU build that variable is what
-    keeps the model worker inside the engine-core process: otherwise vLLM's CPU platform
-    switches the 'uni' executor to 'mp', the worker gets a third process, and hybridkv's
-    scheduler and worker sides could not share one store (hybridkv refuses to start)."""
+    """The server's environment: nothing downloaded, POST /reset_prefix_cache available.
+    Processes are vLLM's defaults, as users run it: the API server, the engine core, and
+    (the CPU platform turns 'uni' into 'mp') the model worker, each in its own."""
     env = dict(os.environ)
     env.update(
         VLLM_SERVER_DEV_MODE="1",
         HF_HUB_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
     )
     return env
 
@@ -78,14 +74,7 @@ def server_command(
     """The server's command line; `connector=False` gives the same server without
     hybridkv (a baseline)."""
     ktc = dict(CONNECTOR, kv_connector_extra_config=extra_config)
-    hybridkv = [
-        "--kv-transfer-config",
-        json.dumps(ktc),
-        # hybridkv's two sides share one store in one process: the CPU platform's default
-        # 'mp' executor would put the worker in a process of its own (hybridkv refuses).
-        "--distributed-executor-backend",
-        "uni",
-    ]
+    hybridkv = ["--kv-transfer-config", json.dumps(ktc)]
     return [
         sys.executable,
         "-m",

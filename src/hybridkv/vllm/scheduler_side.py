@@ -525,6 +525,7 @@ class SchedulerSide:
             **asdict(self.index.stats),
             **self.index.gauges(),
             "tracked_requests": len(self._reqs),
+            "tagged_entries": self.pending_tags(),
         }
 
     def worker_reports(self, reports: dict[int, WorkerReport]) -> None:
