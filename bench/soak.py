@@ -267,7 +267,8 @@ def hit_rate(prev: dict | None, cur: dict | None) -> float | None:
 
 
 def cpu_entries(stats: dict | None) -> int | None:
-    return ((stats or {}).get("tiers") or {}).get("cpu", {}).get("entries")
+    """Entries in the workers' CPU memory, as the scheduler side's index counts them."""
+    return (stats or {}).get("cpu_entries")
 
 
 def format_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
