@@ -111,8 +111,13 @@ class StoreIndex:
         self._pins.update(keys)
 
     def unpin(self, keys: Iterable[bytes]) -> None:
-        self._pins.subtract(keys)
-        self._pins = +self._pins  # drop zero (and, defensively, negative) counts
+        """Release one pin of each key (a key no longer pinned leaves the counter)."""
+        for key in keys:
+            left = self._pins[key] - 1
+            if left > 0:
+                self._pins[key] = left
+            else:
+                self._pins.pop(key, None)
 
     def pinned(self) -> int:
         return sum(self._pins.values())
