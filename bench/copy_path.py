@@ -33,6 +33,7 @@ from hybridkv.core.canonical import row_table
 from hybridkv.core.host_pool import HostPool
 from hybridkv.core.keys import group_key
 from hybridkv.core.tiers.disk import DiskTier
+from hybridkv.engine import drop_page_cache
 
 
 def cpu_tier(args: argparse.Namespace) -> dict:
@@ -82,15 +83,6 @@ def cpu_tier(args: argparse.Namespace) -> dict:
     return out
 
 
-def _drop_cache(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def disk_tier(args: argparse.Namespace, root: Path) -> dict:
     fp = bytes(range(16))
     pool = HostPool(pin=False)  # reads land in recycled host memory, as in the engine
@@ -124,7 +116,7 @@ def disk_tier(args: argparse.Namespace, root: Path) -> dict:
     for label, drop in (("uncached", True), ("cached", False)):
 
         def cold(fn: Callable[[], None], drop: bool = drop) -> Callable[[], None]:
-            return (lambda: (_drop_cache(paths), fn())) if drop else fn
+            return (lambda: (drop_page_cache(paths), fn())) if drop else fn
 
         fns = {"plain": cold(plain), "get": cold(one_by_one), "get_many": cold(batched)}
         t = interleaved(fns, args.repeats)

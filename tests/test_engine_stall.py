@@ -9,25 +9,12 @@ which the restoring request waited and the others went on.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from conftest import tokens
 
-from hybridkv.engine import drop_cpu_tier, generate, scheduler_connector
+from hybridkv.engine import drop_cpu_tier, drop_page_cache, generate, scheduler_connector
 
 pytestmark = pytest.mark.engine
-
-
-def _drop_page_cache(root) -> int:
-    files = list(root.rglob("*.kv"))
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return len(files)
 
 
 @pytest.mark.parametrize("arch", ["qwen3-next", "gemma3"])
@@ -43,7 +30,7 @@ def test_decoding_goes_on_while_a_prefix_is_read_from_disk(
     generate(llm, [long], max_tokens=1)  # stores it
     drop_cpu_tier(llm)
     llm.reset_prefix_cache()
-    assert _drop_page_cache(tmp_path) > 0
+    assert drop_page_cache(tmp_path.rglob("*.kv")) > 0
     side = scheduler_connector(llm).scheduler_side
     engine = llm.llm_engine
 

@@ -138,3 +138,17 @@ def drop_cpu_tier(llm) -> None:
     if orders.promote or orders.clear:
         raise RuntimeError("drop_cpu_tier needs an idle engine")
     worker_connector().worker_side.follow(orders)
+
+
+def drop_page_cache(paths) -> int:
+    """Evict files from the OS page cache (`posix_fadvise(DONTNEED)`, no privileges
+    needed), so the next read of them comes from the disk; how many."""
+    count = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        count += 1
+    return count
