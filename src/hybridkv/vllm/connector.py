@@ -246,8 +246,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Loads are asynchronous: their requests are not in this step's forward."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, HybridKVMetadata)
-        idle = getattr(forward_context, "attn_metadata", None) is None
-        self.worker_side.begin_step(meta, idle)
+        self.worker_side.begin_step(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """No layer of this step's forward reads a block being loaded."""

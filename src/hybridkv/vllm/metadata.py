@@ -68,6 +68,7 @@ class HybridKVMetadata(KVConnectorMetadata):
     loads: list[RequestLoad] = field(default_factory=list)
     stores: list[RequestStore] = field(default_factory=list)
     orders: Orders = field(default_factory=Orders)
+    idle: bool = False  # the step schedules no tokens: no forward runs in it
 
 
 @dataclass

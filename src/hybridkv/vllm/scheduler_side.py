@@ -272,7 +272,7 @@ class SchedulerSide:
     def build_meta(self, out: SchedulerOutput) -> HybridKVMetadata:
         """The step's loads, then its stores. Loads go out whatever happens to the stores:
         vLLM waits for each one to be reported."""
-        meta = HybridKVMetadata(loads=self._loads)
+        meta = HybridKVMetadata(loads=self._loads, idle=out.total_num_scheduled_tokens == 0)
         self._loads = []
         if self.enabled:
             try:

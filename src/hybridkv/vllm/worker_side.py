@@ -112,24 +112,31 @@ class WorkerSide:
             self._report.lost.append(key)
 
     # ---- 1. start of the step: clear, loads, promotions ----------------------------------------
-    def begin_step(self, meta: HybridKVMetadata, idle: bool = False) -> None:
-        """`idle`: this step runs no forward (vLLM steps on while requests wait for
-        their loads or promotions)."""
-        self._idle = idle
-        if meta.orders.clear:
-            with self._lock:
-                self.store.clear()
-                self._report = WorkerReport()
-                disk = self.store.disk
-                if disk is not None:  # the entries left are other engines': all reported
-                    self._report.disk = disk.take_changes(everything=True)
-                    self._report.listed = True
+    def begin_step(self, meta: HybridKVMetadata) -> None:
+        """Whatever fails on the way, every load of the step is still reported (vLLM
+        keeps its request waiting until it is)."""
+        self._idle = meta.idle
         self.epoch = meta.epoch
-        self.name(meta)
-        self.load(meta)
+        try:
+            if meta.orders.clear:
+                self._clear()
+            self.name(meta)
+        finally:
+            self.load(meta)
         if meta.orders.promote:
             future = self._promoter.submit(self._promote, meta.epoch, list(meta.orders.promote))
             self._promotions.append(future)
+
+    def _clear(self) -> None:
+        """Drop what this engine stored; the next report lists the disk afresh (what
+        other engines stored there stays)."""
+        with self._lock:
+            self.store.clear()
+            self._report = WorkerReport()
+            disk = self.store.disk
+            if disk is not None:
+                self._report.disk = disk.take_changes(everything=True)
+                self._report.listed = True
 
     def load(self, meta: HybridKVMetadata) -> None:
         """Write every load of the step into its blocks, one batch for all requests. A
@@ -138,22 +145,24 @@ class WorkerSide:
         """
         batch: list[tuple[EntryCopy, torch.Tensor]] = []
         batch_reqs: list[str] = []
-        for job in meta.loads:
-            entries = None if job.failed else self._entries(job.req_id, job.copies)
-            if entries is None:
-                self._fail(job.req_id)
-                continue
-            batch.extend((kc.copy, e) for kc, e in zip(job.copies, entries, strict=True))
-            batch_reqs.append(job.req_id)
-        if not batch_reqs:
-            return
         try:
-            self.copies.scatter(batch)
+            for job in meta.loads:
+                entries = None if job.failed else self._entries(job.req_id, job.copies)
+                if entries is None:
+                    self._fail(job.req_id)
+                    continue
+                batch.extend((kc.copy, e) for kc, e in zip(job.copies, entries, strict=True))
+                batch_reqs.append(job.req_id)
+            if batch_reqs:
+                self.copies.scatter(batch)
         except Exception:
             # Blocks may be half written; vLLM recomputes every one of these requests.
-            log.exception("hybridkv: restoring %d requests failed", len(batch_reqs))
-            for req_id in batch_reqs:
-                self._fail(req_id)
+            log.exception("hybridkv: restoring %d requests failed", len(meta.loads))
+            for job in meta.loads:
+                if job.req_id not in self._failed:
+                    self._fail(job.req_id)
+            return
+        if not batch_reqs:
             return
         self._received.update(batch_reqs)
         self.stats.loads += len(batch_reqs)
@@ -195,9 +204,7 @@ class WorkerSide:
         results = []
         with self._lock:
             for key, entry in zip(keys, entries, strict=True):
-                ok = entry is not None and epoch == self.epoch
-                if ok:
-                    ok = self.store.cpu.put(key, entry)
+                ok = entry is not None and epoch == self.epoch and self._put(key, entry, True)
                 results.append((epoch, key, ok))
                 if ok:
                     self.stats.promoted_entries += 1
