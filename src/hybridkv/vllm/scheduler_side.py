@@ -183,7 +183,11 @@ class SchedulerSide:
             # The request's pins from now on: nothing the hit needs is evicted to make
             # room for its promotions.
             index.pin(wanted)
-            blocked = [k for k in wanted if not self._ready_or_coming(k, overdue)]
+            try:
+                blocked = [k for k in wanted if not self._ready_or_coming(k, overdue)]
+            except Exception:
+                index.unpin(wanted)  # a lookup error is a miss: it must leave no pin
+                raise
             if blocked:
                 index.unpin(wanted)
                 excluded.update(blocked)
