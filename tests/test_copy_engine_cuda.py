@@ -102,6 +102,25 @@ def test_a_store_sees_what_the_compute_stream_wrote_before_it():
     assert bool((entry == 5).all())
 
 
+def test_an_async_store_returns_before_it_lands_and_later_writes_wait_for_it():
+    """A store does not block the host; its landing says when the bytes are complete;
+    work the engine queues after it (reusing a block) cannot overwrite a block before
+    the copy has read it."""
+    _, gpu, _, engine = pair(6)
+    compute = torch.cuda.current_stream()
+    busy()
+    gpu.buf.fill_(5)  # what the step's forward wrote, still queued behind the sleep
+    (entry,), landing = engine.gather_async([EntryCopy(0, 0, (0, 1, 2), (3, 7, 11))])
+    assert not landing.done(), "the store waited for the GPU before returning"
+    gpu.buf.fill_(9)  # the next step reuses the blocks: queued after the store's copy
+    assert not compute.query()
+    landing.wait()
+    assert landing.done()
+    assert bool((entry == 5).all()), "a later write of the engine overtook the store's copy"
+    torch.cuda.synchronize()
+    assert bool((gpu.buf == 9).all())
+
+
 def test_a_load_lands_after_the_compute_stream_zeroes_and_before_it_reads():
     """vLLM zeroes a newly allocated block on the compute stream, then the connector
     loads into it, then the forward reads it: the load must land between the two."""

@@ -8,10 +8,20 @@ bytes travel and how the copies are ordered against the engine's own work.
 * CUDA cache: the same table, run by one Triton kernel (`cuda_rows.py`) on a side stream
   straight between device pages and pinned host entries. The stream first waits for the
   compute stream, so it sees what the engine wrote (KV of this step for a store; vLLM's
-  zeroing of newly allocated blocks for a load). A store returns once its entries are
-  complete, so the tiers only ever hold finished bytes. A load makes the compute stream
-  wait on an event: the CPU never blocks on it, and the forward that reads the blocks
-  runs after it. An entry stays referenced until the copy that reads it has run.
+  zeroing of newly allocated blocks for a load). Neither direction blocks the CPU:
+  - a store (`gather_async`) returns its entries with a `Landing` that says when their
+    bytes are complete (the caller hands them to the tiers only then), and the compute
+    stream waits for the copy on the GPU, so no later work of the engine (a forward,
+    Model Runner V2's state pre-copy, the zeroing of a reallocated block) can overwrite
+    a block before the copy has read it. Model Runner V2 runs its state pre-copy before
+    the first connector hook of a step, so a per-block flush decided at that hook (vLLM's
+    own offloading connector) would come too late for recurrent blocks; the GPU-side
+    wait is right by construction and costs the copy's time on the GPU, never a CPU
+    stall.
+  - a load makes the compute stream wait on an event: the forward that reads the
+    blocks runs after it. An entry stays referenced until the copy that reads it has run.
+  Loads and stores share the side stream, so a load that reads an entry whose store
+  has not landed yet still reads complete bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +35,23 @@ from hybridkv.core.canonical import CanonicalKV, row_table
 from hybridkv.core.host_pool import HostPool
 from hybridkv.core.planner import EntryCopy
 from hybridkv.core.row_copy import copy_rows
+
+
+class Landing:
+    """When the host entries of a store are complete (at once on a CPU cache)."""
+
+    def __init__(self, event: torch.cuda.Event | None = None):
+        self._event = event
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+
+LANDED = Landing()
 
 
 class CopyEngine:
@@ -46,19 +73,29 @@ class CopyEngine:
         self._inflight: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
 
     def gather(self, copies: Sequence[EntryCopy]) -> list[torch.Tensor]:
-        """One new host entry per copy: its group's blocks `block_ids`, layer-major."""
+        """`gather_async`, returning once the entries are complete."""
+        outs, landing = self.gather_async(copies)
+        landing.wait()
+        return outs
+
+    def gather_async(self, copies: Sequence[EntryCopy]) -> tuple[list[torch.Tensor], Landing]:
+        """One new host entry per copy: its group's blocks `block_ids`, layer-major; their
+        bytes are complete once the `Landing` is done."""
         outs = [self.pool.empty(len(c.block_ids) * self.kv.block_bytes(c.group)) for c in copies]
         # A new entry holds its blocks in order: row k is block_ids[k].
         table = self._host_table(copies, outs, to_engine=False)
         if not self.cuda:
             copy_rows(table)
-            return outs
+            return outs, LANDED
         stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        compute = torch.cuda.current_stream(self.device)
+        stream.wait_stream(compute)
         with torch.cuda.stream(stream):
             self._copy_rows_cuda(table, self.device)
-        stream.synchronize()
-        return outs
+        done = torch.cuda.Event()
+        done.record(stream)
+        compute.wait_event(done)
+        return outs, Landing(done)
 
     def scatter(self, loads: Sequence[tuple[EntryCopy, torch.Tensor]]) -> None:
         """Write rows `slots` of each entry into engine blocks `block_ids`."""

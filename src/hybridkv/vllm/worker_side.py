@@ -9,10 +9,12 @@ Each step (vLLM calls the hooks in this order):
    entry just named); then promotions, handed to a background thread (a disk read never
    holds up the step).
 2. `end_step` (`wait_for_save`): the step's stores, copied out while their blocks are
-   sure to be intact, into CPU memory and the disk queue, or kept under a tag while
-   their keys' tokens are not known yet (async scheduling); then evictions and deletions
-   (after the stores: an entry stored and evicted in one step ends up evicted, as the
-   index has it).
+   sure to be intact, into CPU memory and the disk queue once their bytes have landed
+   (at once on a CPU cache; on a GPU the copy runs on a side stream and the entries wait
+   in `_landing` until it is done, so the step never synchronizes), or kept under a tag
+   while their keys' tokens are not known yet (async scheduling); then evictions and
+   deletions (after the stores: an entry stored and evicted in one step ends up evicted,
+   as the index has it, also while it is still landing).
 3. `report` (`build_connector_worker_meta`): promotions done, disk entries come and
    gone, entries lost; and `transfer_results`: the requests whose loads are done.
 
@@ -28,12 +30,12 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from hybridkv.core.canonical import build_canonical
-from hybridkv.core.copy_engine import CopyEngine
+from hybridkv.core.copy_engine import LANDED, CopyEngine, Landing
 from hybridkv.core.index import Orders, WorkerReport
 from hybridkv.core.planner import EntryCopy, Planner
 from hybridkv.core.store import TieredStore
@@ -62,6 +64,18 @@ class WorkerStats:
 
 
 @dataclass
+class _Landing:
+    """Stores whose bytes are still on their way from the GPU: (key, entry, into CPU
+    memory too) each, handed to the tiers once `landing` is done. `hold` keeps every
+    entry the copy writes (tagged ones and dropped ones too) until then: the host pool
+    hands a dropped entry's memory to the next one at once."""
+
+    landing: Landing
+    items: list[tuple[bytes, torch.Tensor | None, bool]]
+    hold: list[torch.Tensor | None] = field(default_factory=list)
+
+
+@dataclass
 class TransferResults:
     received: set[str]
     failed: set[str]
@@ -85,7 +99,9 @@ class WorkerSide:
         self._promotions: list[Future] = []
         self._idle = False
         # Entries gathered before their keys were known, by tag, until named or dropped.
-        self._staged: dict[int, torch.Tensor] = {}
+        self._staged: dict[int, tuple[torch.Tensor, Landing]] = {}
+        # Stores still being copied out, oldest first (see `_land`).
+        self._landing: list[_Landing] = []
         self.stats = WorkerStats()
         if isinstance(store.cpu, MemoryTier):
             store.cpu.on_evict = self.lost
@@ -118,6 +134,7 @@ class WorkerSide:
         self._idle = meta.idle
         self.epoch = meta.epoch
         try:
+            self._land()
             if meta.orders.clear:
                 self._clear()
             self.name(meta)
@@ -128,8 +145,10 @@ class WorkerSide:
             self._promotions.append(future)
 
     def _clear(self) -> None:
-        """Drop what this engine stored; the next report lists the disk afresh (what
-        other engines stored there stays)."""
+        """Drop what this engine stored, stores still landing included; the next report
+        lists the disk afresh (what other engines stored there stays)."""
+        for pending in self._landing:
+            pending.items = []
         with self._lock:
             self.store.clear()
             self._report = WorkerReport()
@@ -171,8 +190,14 @@ class WorkerSide:
             self.stats.loaded_bytes += len(c.block_ids) * self.planner.groups[c.group].block_bytes
 
     def _entries(self, req_id: str, copies: Sequence) -> list[torch.Tensor] | None:
+        """The entries of a load from CPU memory, or from stores still landing (a load
+        runs on the same stream as the store that copies them out, so after it)."""
         try:
-            entries = [self.store.cpu.get(kc.key) for kc in copies]
+            landing = {k: e for p in self._landing for k, e, cpu in p.items if cpu}
+            entries = [
+                landing[kc.key] if kc.key in landing else self.store.cpu.get(kc.key)
+                for kc in copies
+            ]
         except Exception:
             log.exception("hybridkv: reading the entries of %s failed", req_id)
             return None
@@ -218,6 +243,7 @@ class WorkerSide:
             self.save(meta)
         finally:
             self.follow(meta.orders)
+            self._land()
 
     def save(self, meta: HybridKVMetadata) -> None:
         """Copy this step's stores out, every entry of the step in one batch, then into
@@ -229,32 +255,40 @@ class WorkerSide:
         if not copies and not tagged:
             return
         try:
-            entries = self.copies.gather([c.copy for c in (*copies, *tagged)])
+            entries, landing = self.copies.gather_async([c.copy for c in (*copies, *tagged)])
         except Exception:
             log.exception("hybridkv: storing a step failed; its entries are dropped")
             self.stats.failed_stores += 1
-            entries = [None] * (len(copies) + len(tagged))
-        self._store(
-            [(kc.key, e, kc.cpu) for kc, e in zip(copies, entries[: len(copies)], strict=True)]
-        )
+            entries, landing = [None] * (len(copies) + len(tagged)), None
+        items = [(kc.key, e, kc.cpu) for kc, e in zip(copies, entries[: len(copies)], strict=True)]
+        if landing is None:
+            self._store(items)
+            return
+        self._landing.append(_Landing(landing, items, entries))
         for tc, entry in zip(tagged, entries[len(copies) :], strict=True):
-            if entry is not None:  # a name finding none reports the entry lost
-                self._staged[tc.tag] = entry
+            self._staged[tc.tag] = (entry, landing)
 
     def name(self, meta: HybridKVMetadata) -> None:
         """Store the entries tagged in earlier steps that the scheduler side names now,
         under their keys, and drop the ones it drops."""
         try:
-            named = []
             for job in meta.stores:
                 for n in job.named:
-                    entry = self._staged.pop(n.tag, None)
-                    if n.key is not None:
-                        named.append((n.key, entry, n.cpu))
-            self._store(named)
+                    entry, landing = self._staged.pop(n.tag, (None, None))
+                    if n.key is not None:  # a name finding no entry reports it lost
+                        self._landing.append(_Landing(landing or LANDED, [(n.key, entry, n.cpu)]))
+            self._land()
         except Exception:
             log.exception("hybridkv: storing named entries failed")
             self.stats.hook_errors += 1
+
+    def _land(self, wait: bool = False) -> None:
+        """Hand the stores whose bytes are complete to the tiers, in the order they were
+        made (`wait`: all of them, waiting for the copies still running)."""
+        while self._landing and (wait or self._landing[0].landing.done()):
+            pending = self._landing.pop(0)
+            pending.landing.wait()
+            self._store(pending.items)
 
     @property
     def staged_entries(self) -> int:
@@ -286,6 +320,15 @@ class WorkerSide:
             return False
 
     def follow(self, orders: Orders) -> None:
+        """Evict and delete; a store still landing is redirected (below CPU memory only)
+        or dropped, as if it had landed first."""
+        evict, delete = set(orders.evict), set(orders.delete)
+        for pending in self._landing:
+            pending.items = [
+                (key, e, cpu and key not in evict)
+                for key, e, cpu in pending.items
+                if key not in delete
+            ]
         with self._lock:
             for key in orders.evict:
                 self.store.cpu.delete(key)
@@ -300,6 +343,7 @@ class WorkerSide:
         to finish first. Nothing else runs in such a step, and without the wait the
         engine spins through empty steps that hold the GIL against the reading thread
         (measured: a disk restore then took 1.5x vLLM's own hit instead of about 1x)."""
+        self._land()
         self._promotions = [f for f in self._promotions if not f.done()]
         if self._idle and self._promotions:
             wait(self._promotions, timeout=IDLE_WAIT_SECONDS)
@@ -321,5 +365,6 @@ class WorkerSide:
         return out
 
     def close(self) -> None:
+        self._land(wait=True)
         self._promoter.shutdown(wait=True)
         self.store.close()

@@ -1,0 +1,138 @@
+"""Worker: stores whose bytes are still being copied out (a GPU side stream) reach the
+tiers only once they have landed, serve loads meanwhile, and follow the orders given
+while they were in flight.
+
+On a CPU cache every store lands at once, so the GPU's pending state is made here by
+holding the `Landing` the copy engine returns open (the one fault this file fakes: no
+CPU copy can be still running)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.core.copy_engine import Landing
+from hybridkv.core.index import Orders
+from hybridkv.core.layout import GroupKind, GroupSpec
+from hybridkv.core.planner import EntryCopy, Planner
+from hybridkv.core.store import TieredStore
+from hybridkv.core.tiers.memory import MemoryTier
+from hybridkv.vllm.metadata import (
+    HybridKVMetadata,
+    KeyedCopy,
+    RequestLoad,
+    RequestStore,
+    TaggedCopy,
+    TagName,
+)
+from hybridkv.vllm.worker_side import WorkerSide
+
+BLOCK_TOKENS, PAGE, BLOCKS = 16, 64, 8
+
+
+class Held(Landing):
+    """A copy still running until `land()`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.landed = False
+
+    def done(self) -> bool:
+        return self.landed
+
+    def wait(self) -> None:
+        self.landed = True
+
+    def land(self) -> None:
+        self.landed = True
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    group = GroupSpec(GroupKind.FULL, BLOCK_TOKENS, block_bytes=PAGE, layer_names=("l0",))
+    planner = Planner([group])
+    below = MemoryTier(1 << 20)
+    below.name = "below"
+    store = TieredStore([MemoryTier(1 << 20), below])
+    ws = WorkerSide(planner, store)
+    cache = torch.randint(-128, 127, (BLOCKS, PAGE), dtype=torch.int8)
+    ws.register({"l0": cache}, [[("l0", PAGE)]], BLOCKS)
+    held: list[Held] = []
+    gather_async = ws.copies.gather_async
+
+    def slow_gather(copies):
+        entries, _ = gather_async(copies)
+        held.append(Held())
+        return entries, held[-1]
+
+    monkeypatch.setattr(ws.copies, "gather_async", slow_gather)
+    return ws, cache, held
+
+
+def store_meta(*keys_blocks: tuple[bytes, int], orders: Orders | None = None) -> HybridKVMetadata:
+    copies = [KeyedCopy(k, EntryCopy(0, i, (0,), (b,))) for i, (k, b) in enumerate(keys_blocks)]
+    return HybridKVMetadata(stores=[RequestStore("r", copies)], orders=orders or Orders())
+
+
+def test_store_lands_only_when_its_copy_is_done_and_serves_loads_meanwhile(worker):
+    ws, cache, held = worker
+    ws.end_step(store_meta((b"a", 1)))
+    assert not ws.store.cpu.contains(b"a"), "bytes still on their way reached a tier"
+    # The next step loads the entry into block 5: it is read from the landing store.
+    load = RequestLoad("q", [KeyedCopy(b"a", EntryCopy(0, 0, (0,), (5,)))])
+    ws.begin_step(HybridKVMetadata(loads=[load]))
+    assert ws.transfer_results().failed == set()
+    assert torch.equal(cache[5], cache[1])
+    held[0].land()
+    ws.report()
+    assert ws.store.cpu.contains(b"a") and ws.store.tiers[1].contains(b"a")
+    assert ws.report().lost == []
+
+
+def test_orders_given_while_landing_apply_when_it_lands(worker):
+    ws, _, held = worker
+    ws.end_step(store_meta((b"a", 1), (b"b", 2), (b"c", 3)))
+    ws.end_step(HybridKVMetadata(orders=Orders(evict=[b"a"], delete=[b"b"])))
+    held[0].land()
+    ws.report()
+    cpu, below = ws.store.tiers
+    assert not cpu.contains(b"a") and below.contains(b"a")  # evicted: below CPU memory only
+    assert not cpu.contains(b"b") and not below.contains(b"b")  # deleted everywhere
+    assert cpu.contains(b"c") and below.contains(b"c")
+
+
+def test_clear_drops_stores_in_flight_but_holds_their_memory_until_they_land(worker):
+    ws, _, held = worker
+    ws.end_step(store_meta((b"a", 1)))
+    entry = ws._landing[0].hold[0]
+    ws.begin_step(HybridKVMetadata(epoch=1, orders=Orders(clear=True)))
+    assert ws._landing and ws._landing[0].hold[0] is entry  # the copy may still write it
+    held[0].land()
+    ws.report()
+    assert not ws._landing
+    assert not any(t.contains(b"a") for t in ws.store.tiers)
+
+
+def test_tagged_entry_named_before_its_copy_lands_waits_for_it(worker):
+    ws, _, held = worker
+    meta = HybridKVMetadata(
+        stores=[RequestStore("r", [], [TaggedCopy(7, EntryCopy(0, 0, (0,), (4,)))])]
+    )
+    ws.end_step(meta)
+    ws.begin_step(HybridKVMetadata(stores=[RequestStore("r", [], named=[TagName(7, b"t")])]))
+    assert not ws.store.cpu.contains(b"t")
+    held[0].land()
+    ws.report()
+    assert ws.store.cpu.contains(b"t") and ws.staged_entries == 0
+
+
+def test_stores_land_in_order(worker):
+    ws, _, held = worker
+    ws.end_step(store_meta((b"a", 1)))
+    ws.end_step(store_meta((b"b", 2)))
+    held[1].land()  # the later copy is done first: it waits for the earlier one
+    ws.report()
+    assert not ws.store.cpu.contains(b"b")
+    held[0].land()
+    ws.report()
+    assert ws.store.cpu.contains(b"a") and ws.store.cpu.contains(b"b")
