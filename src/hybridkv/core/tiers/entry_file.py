@@ -1,11 +1,14 @@
-"""On-disk entry files: a 64-byte self-describing header, the canonical payload, and with
-an integrity key a MAC trailer.
+"""Entry files: a 64-byte self-describing header, the canonical payload, and with an
+integrity key a MAC trailer; on disk, and as values of the Redis tier.
 
 The format is documented in docs/format.md. Reading checks every header field, the
 payload size the caller expects (before anything is allocated), a checksum over header
 and payload and, when keyed, a MAC, before any byte can reach a KV cache. A mismatch
-raises `EntryFileError` naming the reason; `damaged` tells the disk tier whether no
-reader at all can use the file (deleted) or another writer's reader may (left alone).
+raises `EntryFileError` naming the reason; `damaged` tells a tier whether no reader at
+all can use the entry (deleted) or another writer's reader may (left alone).
+
+Files and in-memory values (`encode_entry`, `decode_entry`) go through the same code:
+one format, one set of checks.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from __future__ import annotations
 import hmac
 import os
 import struct
-from collections.abc import Callable
-from typing import BinaryIO
+from collections.abc import Callable, Sequence
+from typing import BinaryIO, Protocol
 
 import blake3
 import torch
@@ -76,6 +79,29 @@ def _checksum(head: bytes, payload: memoryview) -> int:
     return h.intdigest()
 
 
+def encode_entry(
+    fingerprint: bytes,
+    key: bytes,
+    entry: torch.Tensor,
+    mac_key: bytes | None = None,
+) -> list[bytes | memoryview]:
+    """An entry's file as pieces, in order: header, payload (a view of `entry`, not a
+    copy) and, under `mac_key`, the MAC trailer."""
+    chunk_key, group = split_group_key(key)
+    payload = memoryview(entry.numpy()).cast("B")
+    flags = FLAG_MAC if mac_key is not None else 0
+    head = _HEADER.pack(
+        MAGIC, FILE_VERSION, HEADER_BYTES, group, flags, fingerprint, chunk_key, len(payload), 0
+    )
+    head = head[:_CHECKSUMMED] + _checksum(head, payload).to_bytes(8, "little")
+    pieces: list[bytes | memoryview] = [head, payload]
+    if mac_key is not None:
+        mac = blake3.blake3(head, key=mac_key)
+        mac.update(payload)
+        pieces.append(mac.digest())
+    return pieces
+
+
 def write_entry(
     f: BinaryIO,
     fingerprint: bytes,
@@ -84,20 +110,21 @@ def write_entry(
     mac_key: bytes | None = None,
 ) -> int:
     """Write one entry to `f` (with a MAC trailer under `mac_key`); returns the file's size."""
-    chunk_key, group = split_group_key(key)
-    payload = memoryview(entry.numpy()).cast("B")
-    flags = FLAG_MAC if mac_key is not None else 0
-    head = _HEADER.pack(
-        MAGIC, FILE_VERSION, HEADER_BYTES, group, flags, fingerprint, chunk_key, len(payload), 0
-    )
-    head = head[:_CHECKSUMMED] + _checksum(head, payload).to_bytes(8, "little")
-    f.write(head)
-    f.write(payload)
-    if mac_key is not None:
-        mac = blake3.blake3(head, key=mac_key)
-        mac.update(payload)
-        f.write(mac.digest())
-    return file_bytes(len(payload), mac_key is not None)
+    pieces = encode_entry(fingerprint, key, entry, mac_key)
+    for piece in pieces:
+        f.write(piece)
+    return sum(memoryview(p).nbytes for p in pieces)
+
+
+def claimed_bytes(head: bytes) -> int | None:
+    """The whole size (header, payload, MAC) a header claims, unverified: how much of an
+    entry split into parts is still to come. None: no header of this format version."""
+    if len(head) < HEADER_BYTES:
+        return None
+    magic, version, _, _, flags, _, _, n, _ = _HEADER.unpack_from(head)
+    if magic != MAGIC or version != FILE_VERSION:
+        return None
+    return file_bytes(n, bool(flags & FLAG_MAC))
 
 
 def new_entry(nbytes: int) -> torch.Tensor:
@@ -133,8 +160,58 @@ def read_entry(
             raise
 
 
+class _Readable(Protocol):
+    def read(self, n: int, /) -> bytes: ...
+    def readinto(self, view: memoryview, /) -> int | None: ...
+
+
+class _Buffers:
+    """An entry held in memory (one value, or the parts it was split into, in order),
+    read like a file: what `_read` needs of one."""
+
+    def __init__(self, parts: Sequence[bytes | memoryview]):
+        self._parts = [memoryview(p).cast("B") for p in parts]
+        self.size = sum(p.nbytes for p in self._parts)
+        self._part = self._pos = 0
+
+    def readinto(self, view: memoryview) -> int:
+        """Copy up to `len(view)` bytes, never past the end of a part (a short read)."""
+        while self._part < len(self._parts):
+            src = self._parts[self._part][self._pos : self._pos + len(view)]
+            if src.nbytes:
+                view[: src.nbytes] = src
+                self._pos += src.nbytes
+                return src.nbytes
+            self._part, self._pos = self._part + 1, 0
+        return 0
+
+    def read(self, n: int) -> bytes:
+        out = bytearray(n)
+        got = 0
+        while got < n and (r := self.readinto(memoryview(out)[got:])):
+            got += r
+        return bytes(out[:got])
+
+
+def decode_entry(
+    parts: Sequence[bytes | memoryview],
+    fingerprint: bytes,
+    key: bytes,
+    *,
+    payload_bytes: int | None = None,
+    alloc: Callable[[int], torch.Tensor] = new_entry,
+    mac_key: bytes | None = None,
+) -> torch.Tensor:
+    """Verify one entry held in memory (an entry file's bytes, whole or as the parts it
+    was split into, in order) and copy its payload into `alloc(payload bytes)`.
+
+    Checks and arguments as `read_entry`; raises EntryFileError."""
+    buffers = _Buffers(parts)
+    return _read(buffers, buffers.size, fingerprint, key, payload_bytes, alloc, mac_key)
+
+
 def _read(
-    f: BinaryIO,
+    f: _Readable,
     size: int,
     fingerprint: bytes,
     key: bytes,
