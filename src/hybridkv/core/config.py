@@ -82,6 +82,9 @@ class HybridKVConfig:
     # Secret that MACs every disk entry, so that whoever can write to a shared disk_path
     # cannot inject KV: entries without this MAC are misses. Kept out of the repr.
     integrity_key: str | None = field(default=None, repr=False)
+    # Weight of prefill saved per byte against recency when CPU memory evicts recurrent
+    # boundaries (core/eviction.py); 0 is LRU over whole boundaries.
+    eviction_alpha: float = 1.0
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> HybridKVConfig:
@@ -113,6 +116,11 @@ class HybridKVConfig:
             if not isinstance(mid, str) or not mid:
                 raise ConfigError(f"model_id: expected a non-empty string, got {mid!r}")
             kwargs["model_id"] = mid
+        if "eviction_alpha" in raw:
+            alpha = raw["eviction_alpha"]
+            if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha >= 0:
+                raise ConfigError(f"eviction_alpha: expected a number >= 0, got {alpha!r}")
+            kwargs["eviction_alpha"] = float(alpha)
         kwargs.update(_disk_settings(raw))
         return cls(**kwargs)
 

@@ -15,6 +15,19 @@ the lookup answers "ask again" meanwhile, so the scheduler never waits on a read
 damaged file is a miss before the hit is reported, never a failed load.
 
 Entries a request's pending hit or load needs are pinned: eviction passes over them.
+
+Which entries CPU memory keeps (issue 12). For a layout without recurrent groups every
+stored chunk serves hits at its own boundary, and eviction is LRU (a hit touches every
+entry it reads, the shared head of a chain included, so suffixes go first). With
+recurrent groups a hit needs a *boundary*: every recurrent group's state at one chunk
+boundary plus the attention chunks before it. So the index keeps boundaries
+(`core/eviction.py`) and evicts, in this order, until the new entry fits:
+1. orphans: attention chunks no boundary in CPU memory needs (least recently used
+   first): without a state at or after them they serve no hit;
+2. whole boundaries, lowest utility first (recency combined with prefill saved per byte,
+   `eviction.utility`), each with the chunks only it needed.
+A boundary's states are admitted, and evicted, together: one state without the others
+serves nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +35,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from hybridkv.core.eviction import Boundary, utility
 
 
 @dataclass
@@ -33,6 +48,8 @@ class IndexStats:
     failed_promotions: int = 0  # a rank could not read or verify the entry
     lost: int = 0  # entries a rank reported it does not hold after all (a failed store)
     cpu_full: int = 0  # entries not admitted to CPU memory: the rest of it was pinned
+    evicted_orphans: int = 0  # attention chunks evicted because no boundary needed them
+    evicted_boundaries: int = 0  # boundaries evicted for their low utility
 
 
 @dataclass
@@ -69,13 +86,27 @@ class WorkerReport:
 
 
 class StoreIndex:
-    def __init__(self, cpu_capacity: int, ranks: int = 1, disk: bool = False):
+    def __init__(
+        self,
+        cpu_capacity: int,
+        ranks: int = 1,
+        disk: bool = False,
+        recurrent: bool = False,
+        alpha: float = 1.0,
+    ):
         """`cpu_capacity`: bytes of CPU memory for entries, over all ranks. `ranks`: how
         many workers must report an entry before it counts as theirs. `disk`: the
         workers have a disk tier, and the index is not `ready` until each has listed
-        it."""
+        it. `recurrent`: hits need boundaries (see the module docstring); `alpha`
+        weighs prefill saved per byte against recency when evicting them."""
         self.capacity = cpu_capacity
         self.ranks = ranks
+        self.recurrent = recurrent
+        self.alpha = alpha
+        self._tick = 0  # logical clock of uses
+        self._boundaries: dict[bytes, Boundary] = {}  # by its first state key
+        self._boundary_of: dict[bytes, bytes] = {}  # state key -> its boundary's id
+        self._needed_by: dict[bytes, set[bytes]] = {}  # attention key -> boundary ids
         self._listed: set[int] | None = set() if disk else None
         self._cpu: OrderedDict[bytes, int] = OrderedDict()  # key -> bytes, LRU first
         self._used = 0
@@ -102,6 +133,10 @@ class StoreIndex:
         ranks = self._disk.get(key)
         return ranks is not None and len(ranks) >= self.ranks
 
+    def has_boundary(self, key: bytes) -> bool:
+        """`key` is a state of a boundary whose states are all in CPU memory."""
+        return key in self._boundary_of
+
     def known(self, key: bytes) -> bool:
         """Held somewhere, or on its way: worth planning a hit around."""
         return key in self._cpu or self.on_disk(key)
@@ -124,9 +159,44 @@ class StoreIndex:
 
     # ---- CPU memory -------------------------------------------------------------------------
     def touch(self, keys: Iterable[bytes]) -> None:
+        self._tick += 1
         for key in keys:
             if key in self._cpu:
                 self._cpu.move_to_end(key)
+                bid = self._boundary_of.get(key)
+                if bid is not None:
+                    self._boundaries[bid].used = self._tick
+
+    def admit_boundary(
+        self, states: list[tuple[bytes, int]], needs: list[bytes], tokens: int, own_bytes: int
+    ) -> bool:
+        """Count in the states of one boundary (key, bytes on one rank), all or none.
+        `needs`: the attention entries a hit at `tokens` also reads; `own_bytes`: what
+        keeping the boundary costs beyond what shorter boundaries of its chain already
+        cost (its states and the chunks after the previous boundary)."""
+        new = [(key, n * self.ranks) for key, n in states if key not in self._cpu]
+        if not new:
+            self.touch(key for key, _ in states)
+            return True
+        if not self._make_room(sum(n for _, n in new)):
+            self.stats.cpu_full += len(new)
+            return False
+        for key, nbytes in new:
+            self._insert(key, nbytes)
+        bid = states[0][0]
+        for key, _ in states:
+            old = self._boundary_of.get(key)
+            if old is not None and old != bid:
+                self._forget_boundary(old)
+        self._tick += 1
+        self._boundaries[bid] = Boundary(
+            tokens, tuple(k for k, _ in states), tuple(needs), own_bytes * self.ranks, self._tick
+        )
+        for key, _ in states:
+            self._boundary_of[key] = bid
+        for key in needs:
+            self._needed_by.setdefault(key, set()).add(bid)
+        return True
 
     def admit(self, key: bytes, nbytes: int) -> bool:
         """Make room for a new entry (evicting the least recently used unpinned ones) and
@@ -138,32 +208,81 @@ class StoreIndex:
         if not self._make_room(nbytes):
             self.stats.cpu_full += 1
             return False
+        self._insert(key, nbytes)
+        return True
+
+    def _insert(self, key: bytes, nbytes: int) -> None:
         self._cpu[key] = nbytes
         self._used += nbytes
         # Dropped earlier this step and stored again: the workers' copy stays good.
         for dropped in (self.orders.evict, self.orders.delete):
             if key in dropped:
                 dropped.remove(key)
-        return True
+
+    def _evictable(self, key: bytes) -> bool:
+        return self._pins[key] == 0 and key not in self._promoting
 
     def _make_room(self, nbytes: int) -> bool:
+        """Evict until `nbytes` more fit; False, and nothing evicted, if they cannot."""
         if nbytes > self.capacity:
             return False
         free = self.capacity - self._used
-        victims = []
-        for key, size in self._cpu.items():
-            if free >= nbytes:
-                break
-            if self._pins[key] == 0 and key not in self._promoting:
-                victims.append(key)
-                free += size
-        if free < nbytes:
+        if free >= nbytes:
+            return True
+        victims = (
+            self._victims(nbytes - free) if self.recurrent else self._lru_victims(nbytes - free)
+        )
+        if victims is None:
             return False
         for key in victims:
             self._drop_cpu(key)
             self.orders.evict.append(key)
             self.stats.cpu_evictions += 1
         return True
+
+    def _lru_victims(self, needed: int) -> list[bytes] | None:
+        victims, freed = [], 0
+        for key, size in self._cpu.items():
+            if freed >= needed:
+                break
+            if self._evictable(key):
+                victims.append(key)
+                freed += size
+        return victims if freed >= needed else None
+
+    def _victims(self, needed: int) -> list[bytes] | None:
+        """Orphans first (LRU), then whole boundaries by utility, each with the chunks it
+        alone needed; None if even all that would not free `needed` bytes."""
+        victims, freed = [], 0
+        for key, size in self._cpu.items():
+            if freed >= needed:
+                break
+            orphan = key not in self._boundary_of and not self._needed_by.get(key)
+            if orphan and self._evictable(key):
+                victims.append(key)
+                freed += size
+        orphans = len(victims)
+        candidates = [
+            b for b in self._boundaries.values() if all(self._evictable(k) for k in b.states)
+        ]
+        gone: set[bytes] = set()
+        for b in sorted(candidates, key=utility(candidates, self.alpha)) if freed < needed else ():
+            if freed >= needed:
+                break
+            gone.add(b.states[0])
+            for key in b.states:
+                victims.append(key)
+                freed += self._cpu[key]
+            for key in b.needs:
+                if key in self._cpu and self._evictable(key) and self._needed_by[key] <= gone:
+                    victims.append(key)
+                    freed += self._cpu[key]
+                    gone.add(key)  # never added twice (no boundary id is a needed key)
+        if freed < needed:
+            return None
+        self.stats.evicted_orphans += orphans
+        self.stats.evicted_boundaries += sum(1 for k in gone if k in self._boundaries)
+        return victims
 
     def evict_all(self) -> int:
         """Evict every unpinned entry from CPU memory (what stays below is still found);
@@ -180,6 +299,22 @@ class StoreIndex:
         if size is not None:
             self._used -= size
         self._promoting.pop(key, None)
+        bid = self._boundary_of.get(key)
+        if bid is not None:
+            self._forget_boundary(bid)
+
+    def _forget_boundary(self, bid: bytes) -> None:
+        """Stop counting a boundary (one of its states left CPU memory); its other states
+        stay until evicted, as orphans."""
+        b = self._boundaries.pop(bid)
+        for key in b.states:
+            self._boundary_of.pop(key, None)
+        for key in b.needs:
+            users = self._needed_by.get(key)
+            if users is not None:
+                users.discard(bid)
+                if not users:
+                    del self._needed_by[key]
 
     def delete(self, key: bytes) -> None:
         """Forget the entry everywhere and have the workers delete it; a pinned entry (a
@@ -258,6 +393,9 @@ class StoreIndex:
         self._cpu.clear()
         self._used = 0
         self._promoting.clear()
+        self._boundaries.clear()
+        self._boundary_of.clear()
+        self._needed_by.clear()
         self._disk.clear()
         self.epoch += 1
         self.orders = Orders(clear=True)
@@ -269,5 +407,6 @@ class StoreIndex:
             "cpu_capacity_bytes": self.capacity,
             "disk_entries": sum(1 for r in self._disk.values() if len(r) >= self.ranks),
             "promoting": len(self._promoting),
+            "cpu_boundaries": len(self._boundaries),
             "held_entries": self.pinned(),
         }

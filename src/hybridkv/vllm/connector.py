@@ -166,7 +166,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         ranks = vllm_config.parallel_config.tensor_parallel_size
         if role == KVConnectorRole.SCHEDULER:
             disk = self.config.disk_path is not None
-            index = StoreIndex(self.config.cpu_bytes, ranks, disk)
+            index = StoreIndex(
+                self.config.cpu_bytes,
+                ranks,
+                disk,
+                recurrent=policy is not None,
+                alpha=self.config.eviction_alpha,
+            )
             self.scheduler_side = SchedulerSide(
                 self.layout, self.planner, policy, index, enabled, disk
             )

@@ -67,6 +67,10 @@ class SchedulerStats:
     waits: int = 0  # lookups answered "ask again": disk entries on their way
     failed_plans: int = 0  # hits whose load could not be planned (reported failed)
     hook_errors: int = 0  # exceptions caught at the connector boundary
+    # Prompt tokens past vLLM's own hit a lookup could not serve, by what stopped the hit
+    # (a cap, not a forecast: tokens at and past the prompt's last boundary never count):
+    short_of_chunks: int = 0  # the attention chunks stop there (never stored, or evicted)
+    short_of_state: int = 0  # the chunks go further, but no boundary with every state does
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,9 @@ class _RequestState:
     load_failed: bool = False  # vLLM recomputes it: no more hits for it
     tagged: list[_Tagged] = field(default_factory=list)  # gathered, not named yet
     drafted: bool = False  # has had speculative tokens: keyed on known tokens only
+    # Attention chunks it stored, pinned until it finishes (with recurrent groups: they
+    # serve no hit until its boundary is stored, so they must not go as orphans first).
+    owned: list[bytes] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -165,6 +172,13 @@ class SchedulerSide:
         L = request.num_prompt_tokens
         keys = self._keys(st, L)
         index = self.index
+        # What vLLM serves itself is a use too: without it the shared head of every
+        # chain would age out of CPU memory while vLLM keeps hitting it.
+        index.touch(
+            self._wanted(
+                keys, 0, local_tokens // self.planner.chunk_tokens * self.planner.chunk_tokens
+            )
+        )
         excluded: set[bytes] = set()
         overdue = (
             st.waiting_since is not None
@@ -202,11 +216,11 @@ class SchedulerSide:
             index.touch(wanted)
             st.waiting_since = None
             st.hit = (local_tokens, boundary)
-            self._count_lookup(L, local_tokens)
+            self._count_lookup(L, keys, local_tokens, boundary)
             return boundary - local_tokens
         self._pin(st, [])
         st.waiting_since = None
-        self._count_lookup(L, local_tokens)
+        self._count_lookup(L, keys, local_tokens, 0)
         return 0
 
     def _ready_or_coming(self, key: bytes, overdue: bool) -> bool:
@@ -218,9 +232,23 @@ class SchedulerSide:
             return False
         return self.index.promoting(key) or self.index.promote(key, self._entry_bytes(key))
 
-    def _count_lookup(self, num_prompt_tokens: int, local_tokens: int) -> None:
+    def _count_lookup(
+        self, num_prompt_tokens: int, keys: list[bytes], local_tokens: int, boundary: int
+    ) -> None:
         self.stats.lookups += 1
         self.stats.queried_tokens += max(num_prompt_tokens - local_tokens, 0)
+        served = max(boundary, local_tokens)
+        C = self.planner.chunk_tokens
+        cap = self.planner.max_hit_chunks(num_prompt_tokens) * C
+        attention = [g for g, s in enumerate(self.layout.groups) if s.kind is GroupKind.FULL]
+        reach = served // C
+        while attention and reach < len(keys) and reach * C < cap:
+            if not all(self.index.known(group_key(keys[reach], g)) for g in attention):
+                break
+            reach += 1
+        reach = min(reach * C, cap) if attention else served
+        self.stats.short_of_state += max(reach - served, 0)
+        self.stats.short_of_chunks += max(cap - max(reach, served), 0)
 
     def _wanted(self, keys: list[bytes], local: int, boundary: int) -> list[bytes]:
         """Every entry a hit at `boundary` reads."""
@@ -367,8 +395,8 @@ class SchedulerSide:
         if not copies:
             return []
         keys = self._keys(st, (max(c.chunk for c, _ in copies) + 1) * self.planner.chunk_tokens)
-        stored = self._admit(_keyed(keys, [c for c, staged in copies if not staged]))
-        staged = self._admit(_keyed(keys, [c for c, staged in copies if staged]))
+        stored = self._admit(st, keys, _keyed(keys, [c for c, staged in copies if not staged]))
+        staged = self._admit(st, keys, _keyed(keys, [c for c, staged in copies if staged]))
         if staged:  # the newest state replaces the one staged before
             for key in st.staged:
                 self.index.delete(key)
@@ -458,18 +486,56 @@ class SchedulerSide:
         running = sum(len(self._reqs[r].tagged) for r in self._tagged if r in self._reqs)
         return running + sum(len(store.named) for _, store in self._settled)
 
-    def _admit(self, copies: Iterable[KeyedCopy]) -> list[KeyedCopy]:
+    def _admit(
+        self, st: _RequestState, keys: list[bytes], copies: Iterable[KeyedCopy]
+    ) -> list[KeyedCopy]:
         """The copies worth making: entries not held yet, each admitted to CPU memory
-        (evicting older ones) or, without room there, to the disk tier alone."""
-        out = []
+        (evicting others) or, without room there, to the disk tier alone. With recurrent
+        groups a boundary's states are admitted together (see core/index.py), and the
+        attention chunks the request stores stay pinned until it finishes."""
+        out: list[KeyedCopy] = []
+        boundaries: dict[int, list[KeyedCopy]] = {}
         for kc in copies:
             if self.index.known(kc.key):
                 continue
-            if self.index.admit(kc.key, self.planner.entry_bytes(kc.copy.group)):
+            if self.index.recurrent and kc.copy.group in self._state_groups:
+                boundaries.setdefault(kc.copy.chunk, []).append(kc)
+            elif self.index.admit(kc.key, self.planner.entry_bytes(kc.copy.group)):
                 out.append(kc)
+                if self.index.recurrent:
+                    self.index.pin([kc.key])
+                    st.owned.append(kc.key)
             elif self.disk:
                 out.append(KeyedCopy(kc.key, kc.copy, cpu=False))
+        for chunk, states in boundaries.items():
+            if self._admit_boundary(keys, (chunk + 1) * self.planner.chunk_tokens, states):
+                out += states
+            elif self.disk:
+                out += [KeyedCopy(kc.key, kc.copy, cpu=False) for kc in states]
         return out
+
+    def _admit_boundary(self, keys: list[bytes], boundary: int, states: list[KeyedCopy]) -> bool:
+        """Count a boundary's states into CPU memory, with what a hit there also reads and
+        what keeping it costs beyond the chain's previous boundary in CPU memory."""
+        C = self.planner.chunk_tokens
+        attention = [g for g in range(len(self.layout.groups)) if g not in self._state_groups]
+        needs = [
+            group_key(keys[c], g)
+            for g in attention
+            for c in self.planner.needed_chunks(g, 0, boundary)
+        ]
+        previous = next(
+            (
+                c + 1
+                for c in range(boundary // C - 2, -1, -1)
+                if self.index.has_boundary(group_key(keys[c], self._state_groups[0]))
+            ),
+            0,
+        )
+        own = sum(self.planner.entry_bytes(kc.copy.group) for kc in states)
+        own += (boundary // C - previous) * sum(self.planner.entry_bytes(g) for g in attention)
+        sizes = [(kc.key, self.planner.entry_bytes(kc.copy.group)) for kc in states]
+        return self.index.admit_boundary(sizes, needs, boundary, own)
 
     def _decode_boundary(self, req: Request, start: int, end: int) -> bool:
         """Whether this step ends decoding on a chunk boundary past the prompt's
@@ -553,7 +619,8 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
             self._pin(st, [])
-            self._finish_tagged(st)
+            self._finish_tagged(st)  # may store (and pin) its last chunks: first
+            self.index.unpin(st.owned)
         return False
 
     def reset(self) -> None:

@@ -1,0 +1,53 @@
+"""What a recurrent-state boundary is worth keeping in CPU memory.
+
+A hit on a hybrid model with recurrent layers resumes at a *boundary*: every recurrent
+group's state at one chunk boundary, plus the attention chunks before it. A boundary at
+B tokens saves the prefill of B tokens (every layer's work for each of them) and costs
+its states plus the attention chunks since the previous boundary kept for the same
+chain (the ones before are paid for by that one). LRU over entries ignores both: it
+evicts the shared head of a chain as readily as a useless suffix, and one state of a
+boundary while keeping the others.
+
+Following Marconi (Pan et al., 2024), the utility of a boundary is
+
+    utility = recency + alpha * efficiency
+
+with both terms scaled to [0, 1] over the boundaries that could be evicted now:
+recency is the boundary's last use (admission or hit) on the index's logical clock,
+min-max scaled; efficiency is tokens saved per byte kept, B / own_bytes, divided by the
+largest among them. The boundary with the lowest utility is evicted first. Prefill cost
+is taken as linear in B: the recurrent and MLP layers of a hybrid model dominate, and
+the quadratic attention term would only favour long boundaries more. `alpha` (config
+`eviction_alpha`, default 1.0) was chosen by replaying the traces of bench/hit_rate.py
+at several budgets (docs/benchmarks.md); `alpha = 0` is LRU over whole boundaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class Boundary:
+    """A boundary whose states are all in CPU memory."""
+
+    tokens: int  # a hit here saves the prefill of this many tokens
+    states: tuple[bytes, ...]  # one entry per recurrent group; the first names it
+    needs: tuple[bytes, ...]  # attention entries a hit here also reads
+    own_bytes: int  # its states plus the chunks after the chain's previous boundary
+    used: int  # logical time of its last use
+
+
+def utility(candidates: Sequence[Boundary], alpha: float) -> Callable[[Boundary], float]:
+    """The sort key that orders `candidates` from the first to evict to the last."""
+    if not candidates:
+        return lambda b: 0.0
+    oldest = min(b.used for b in candidates)
+    span = max(max(b.used for b in candidates) - oldest, 1)
+    best = max(b.tokens / max(b.own_bytes, 1) for b in candidates) or 1.0
+
+    def key(b: Boundary) -> float:
+        return (b.used - oldest) / span + alpha * (b.tokens / max(b.own_bytes, 1)) / best
+
+    return key

@@ -1,0 +1,144 @@
+"""CPU-memory admission and eviction for layouts with recurrent groups (core/index.py,
+core/eviction.py): orphans first, whole boundaries by utility, budgets and pins kept."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.core.eviction import Boundary, utility
+from hybridkv.core.index import StoreIndex
+from hybridkv.core.keys import group_key
+
+ATTN, STATE = 0, 1  # group ids: one attention group, one recurrent group (two in `states`)
+
+
+def chunk(chain: int, c: int, g: int = ATTN) -> bytes:
+    return group_key((chain * 1000 + c).to_bytes(16, "little"), g)
+
+
+def states(chain: int, c: int) -> list[tuple[bytes, int]]:
+    """Two recurrent groups' states at the end of chunk c, 100 bytes each."""
+    return [(chunk(chain, c, STATE), 100), (chunk(chain, c, STATE + 1), 100)]
+
+
+def add_chain(index: StoreIndex, chain: int, n: int, at: int | None = None) -> bool:
+    """Chunks 0..n-1 of a chain (50 bytes each) and a boundary after chunk `at`
+    (default the last)."""
+    for c in range(n):
+        assert index.admit(chunk(chain, c), 50)
+    at = n - 1 if at is None else at
+    needs = [chunk(chain, c) for c in range(at + 1)]
+    return index.admit_boundary(states(chain, at), needs, (at + 1) * 10, 200 + 50 * (at + 1))
+
+
+def evicted(index: StoreIndex) -> set[bytes]:
+    return set(index.take_orders().evict)
+
+
+def test_orphans_go_before_any_boundary():
+    index = StoreIndex(cpu_capacity=1000, recurrent=True)
+    assert add_chain(index, 1, 4)  # 200 + 400 bytes
+    for c in range(4):  # a suffix no boundary needs, newer than chain 1
+        index.admit(chunk(2, c), 50)
+    index.take_orders()
+    assert index.admit(chunk(3, 0), 550)  # 400 free: 150 more
+    assert evicted(index) == {chunk(2, 0), chunk(2, 1), chunk(2, 2)}
+    assert index.has_boundary(chunk(1, 3, STATE))
+    assert index.stats.evicted_orphans == 3 and index.stats.evicted_boundaries == 0
+
+
+def test_a_boundary_leaves_whole_with_the_chunks_only_it_needed():
+    index = StoreIndex(cpu_capacity=1000, recurrent=True)
+    # Chains 1 and 2 share nothing; chain 1 is older and equally efficient.
+    assert add_chain(index, 1, 2) and add_chain(index, 2, 2)
+    index.take_orders()
+    assert index.admit(chunk(3, 0), 500)  # 400 free: one boundary goes
+    out = evicted(index)
+    assert out == {k for k, _ in states(1, 1)} | {chunk(1, 0), chunk(1, 1)}
+    assert not index.has_boundary(chunk(1, 1, STATE)) and index.has_boundary(chunk(2, 1, STATE))
+
+
+def test_a_shared_head_stays_while_a_boundary_needs_it():
+    index = StoreIndex(cpu_capacity=900, recurrent=True)
+    for c in range(2):
+        index.admit(chunk(1, c), 50)
+    head = [chunk(1, 0), chunk(1, 1)]
+    # Two boundaries on one chain: after chunk 0 and after chunk 1.
+    assert index.admit_boundary(states(1, 0), head[:1], 10, 250)
+    assert index.admit_boundary(states(1, 1), head, 20, 250)
+    index.touch(k for k, _ in states(1, 1))  # the longer one was used since
+    index.take_orders()
+    assert index.admit(chunk(9, 0), 500)  # 400 free: one boundary goes
+    out = evicted(index)
+    assert out == {k for k, _ in states(1, 0)}  # chunk 0 is still needed by the other
+    assert index.in_cpu(chunk(1, 0))
+
+
+def test_utility_prefers_recent_and_efficient_boundaries():
+    old_long = Boundary(6400, (b"a",), (), 1000, used=1)
+    new_short = Boundary(640, (b"b",), (), 1000, used=10)
+    old_short = Boundary(640, (b"c",), (), 1000, used=1)
+    cands = [old_long, new_short, old_short]
+    lru = sorted(cands, key=utility(cands, 0.0))
+    assert lru[-1] is new_short and lru[0] in (old_long, old_short)
+    weighted = sorted(cands, key=utility(cands, 2.0))
+    assert weighted[0] is old_short and weighted[-1] is old_long  # 0 + 2 * 1 > 1 + 2 * 0.1
+
+
+def test_lost_state_drops_its_boundary_and_its_sibling_becomes_an_orphan():
+    index = StoreIndex(cpu_capacity=10_000, recurrent=True)
+    add_chain(index, 1, 2)
+    from hybridkv.core.index import WorkerReport
+
+    index.apply(0, WorkerReport(lost=[chunk(1, 1, STATE)]))
+    assert not index.has_boundary(chunk(1, 1, STATE + 1))
+    index.take_orders()
+    assert index.admit(chunk(2, 0), 10_000)  # everything else is now an orphan
+    assert chunk(1, 1, STATE + 1) in evicted(index)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["chain", "chunk", "pin", "unpin", "touch"]),
+            st.integers(0, 6),
+            st.integers(1, 5),
+        ),
+        max_size=40,
+    ),
+    capacity=st.integers(300, 2000),
+    alpha=st.sampled_from([0.0, 1.0, 4.0]),
+)
+def test_budget_pins_and_whole_boundaries_hold_under_any_sequence(ops, capacity, alpha):
+    index = StoreIndex(cpu_capacity=capacity, recurrent=True, alpha=alpha)
+    pinned: list[bytes] = []
+    for op, chain, n in ops:
+        before = {k: index.in_cpu(k) for k in pinned}
+        if op == "chain":
+            for c in range(n):
+                if not index.known(chunk(chain, c)):
+                    index.admit(chunk(chain, c), 50)
+            at = n - 1
+            if all(index.in_cpu(chunk(chain, c)) for c in range(n)):
+                needs = [chunk(chain, c) for c in range(n)]
+                index.admit_boundary(states(chain, at), needs, n * 10, 200 + 50 * n)
+        elif op == "chunk":
+            index.admit(chunk(chain + 10, n), 50 * n)
+        elif op == "pin":
+            keys = [k for k in (chunk(chain, 0), chunk(chain, n - 1, STATE)) if index.in_cpu(k)]
+            index.pin(keys)
+            pinned += keys
+        elif op == "unpin" and pinned:
+            index.unpin([pinned.pop()])
+        elif op == "touch":
+            index.touch([chunk(chain, n - 1, STATE)])
+        gauges = index.gauges()
+        assert gauges["cpu_bytes"] <= capacity
+        # A pinned entry is never evicted.
+        assert all(index.in_cpu(k) for k, was in before.items() if was and k in pinned)
+        # Every boundary counted has all its states in CPU memory.
+        for b in index._boundaries.values():
+            assert all(index.in_cpu(k) for k in b.states)
+    index.take_orders()
