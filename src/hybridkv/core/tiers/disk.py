@@ -9,19 +9,18 @@ unlink never hurts a reader that already opened the file. See docs/format.md.
 
 The engine calls this tier from its scheduler and worker: nothing a file, another
 process or the disk does may make a method raise (it would crash the engine). Every
-public method turns a fault into a logged (once per reason), counted miss or False, and
-the directory is treated as untrusted (tiers/files.py, and the MAC of entry_file.py).
+public method turns a fault into a logged (once per reason), counted miss or False
+(tiers/queued.py, which the Redis tier shares), and the directory is treated as
+untrusted (tiers/files.py, and the MAC of entry_file.py).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import json
 import logging
 import os
-import queue
 import socket
 import stat
 import threading
@@ -31,21 +30,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import torch
 
-from hybridkv.core.keys import KEY_BYTES, split_group_key
-from hybridkv.core.tiers.base import Tier, TierStats
-from hybridkv.core.tiers.entry_file import (
-    FILE_VERSION,
-    EntryFileError,
-    derive_mac_key,
-    file_bytes,
-    new_entry,
-    read_entry,
-    write_entry,
-)
+from hybridkv.core.keys import KEY_BYTES
+from hybridkv.core.tiers.base import TierStats
+from hybridkv.core.tiers.entry_file import FILE_VERSION, EntryFileError, read_entry, write_entry
 from hybridkv.core.tiers.files import (
     DIR_FLAGS,
     create_exclusive,
@@ -53,6 +44,7 @@ from hybridkv.core.tiers.files import (
     make_dir,
     read_small,
 )
+from hybridkv.core.tiers.queued import QueuedTier, never_raises
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +60,6 @@ _PARALLEL_READ_BYTES = 4 << 20
 # Tiers of this process still running: their temporary files are not leftovers.
 _live_tokens: set[str] = set()
 
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
 
 def _pid_alive(pid: int) -> bool:
     try:
@@ -79,24 +69,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _never_raises(fallback: Callable[..., Any] = lambda *_: None) -> Callable[[_Method], _Method]:
-    """A public method that answers `fallback(self, *args)` instead of raising: the fault
-    is logged once per kind and counted (`errors`)."""
-
-    def wrap(method: _Method) -> _Method:
-        @functools.wraps(method)
-        def guarded(self: DiskTier, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return method(self, *args, **kwargs)
-            except Exception as e:
-                self._fault(method.__name__, e)
-                return fallback(self, *args, **kwargs)
-
-        return cast(_Method, guarded)
-
-    return wrap
 
 
 class _JournaledIndex(OrderedDict[bytes, int]):
@@ -144,8 +116,10 @@ class _JournaledIndex(OrderedDict[bytes, int]):
         return new
 
 
-class DiskTier(Tier):
+class DiskTier(QueuedTier):
     name = "disk"
+    _label = "disk"
+    _log = log
 
     def __init__(
         self,
@@ -169,17 +143,15 @@ class DiskTier(Tier):
         against the file's size only). `file_mode`: permissions of the files written
         (directories get the matching search bits). `integrity_key`: read and write only
         entries MACed under this secret (docs/format.md)."""
+        super().__init__(
+            fingerprint, entry_bytes, integrity_key, queue_bytes, alloc, capacity_bytes
+        )
         self.dir = Path(root) / fingerprint.hex()
-        self.fingerprint = fingerprint
         self.capacity = capacity_bytes
-        self.queue_bytes = queue_bytes
         self.fsync = fsync
         self.rescan_seconds = rescan_seconds
-        self._entry_bytes = entry_bytes
         self._file_mode = file_mode
         self._dir_mode = dir_mode(file_mode)
-        self._mac_key = derive_mac_key(integrity_key) if integrity_key is not None else None
-        self._alloc = alloc or new_entry  # where reads land
         self._meta = {
             "file_version": FILE_VERSION,
             "fingerprint": fingerprint.hex(),
@@ -188,7 +160,6 @@ class DiskTier(Tier):
         self._host = socket.gethostname().replace(".", "_")
         self._token = uuid.uuid4().hex[:8]
         _live_tokens.add(self._token)
-        self._lock = threading.Lock()
         # key -> file bytes, least recently used first.
         self._index = _JournaledIndex()
         self._used = 0
@@ -198,13 +169,6 @@ class DiskTier(Tier):
         # (st_dev, st_ino): absent for contains() and the index until replaced, so that
         # this engine stores the entry again rather than skip it as stored.
         self._kept: dict[bytes, tuple[int, int]] = {}
-        # Queued entries and their file sizes, until renamed into place.
-        self._pending: dict[bytes, tuple[torch.Tensor, int]] = {}
-        self._pending_bytes = 0
-        self._stats = TierStats(capacity_bytes=capacity_bytes)
-        self._queue: queue.Queue[bytes | None] = queue.Queue()
-        self._warned: set[str] = set()
-        self._closed = False
         self.leftovers_removed = 0
         self._last_scan = 0.0
         self._scanning = False
@@ -285,7 +249,7 @@ class DiskTier(Tier):
         name = key.hex()
         return self.dir / name[:2] / (name + _SUFFIX)
 
-    @_never_raises()
+    @never_raises()
     def rescan(self) -> None:
         """Rebuild the index from the directory, oldest file first, and enforce the budget.
 
@@ -368,7 +332,7 @@ class DiskTier(Tier):
         return now - e.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS
 
     # ---- the tier interface -----------------------------------------------------------------
-    @_never_raises(lambda self, key: False)
+    @never_raises(lambda self, key: False)
     def contains(self, key: bytes) -> bool:
         with self._lock:
             if key in self._index or key in self._pending:
@@ -387,29 +351,20 @@ class DiskTier(Tier):
                 self._used += st.st_size
         return True
 
-    @_never_raises(lambda self, key: self._count_miss())
+    @never_raises(lambda self, key: self._misses(1)[0])
     def get(self, key: bytes) -> torch.Tensor | None:
-        with self._lock:
-            pending = self._pending.get(key)
-            if pending is not None:
-                self._stats.hits += 1
-                return pending[0]
+        queued = self._queued_hits([key])[0]
+        if queued is not None:
+            return queued
         if not self.usable:
-            self._count_miss()
+            self._misses(1)
             return None
         path = self.path_of(key)
         try:
-            entry = read_entry(
-                path,
-                self.fingerprint,
-                key,
-                payload_bytes=self._payload_bytes(key),
-                alloc=self._alloc,
-                mac_key=self._mac_key,
-            )
+            entry = read_entry(path, self.fingerprint, key, **self._read_checks(key))
         except FileNotFoundError:
             self._forget(key)
-            self._count_miss()
+            self._misses(1)
             return None
         except EntryFileError as e:
             self._reject(key, path, e)
@@ -428,7 +383,7 @@ class DiskTier(Tier):
             os.utime(path, follow_symlinks=False)
         return entry
 
-    @_never_raises(lambda self, keys: [None] * len(keys))
+    @never_raises(lambda self, keys: [None] * len(keys))
     def get_many(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
         with self._lock:
             known = sum(self._index.get(k, 0) for k in keys)
@@ -436,84 +391,62 @@ class DiskTier(Tier):
             return [self.get(k) for k in keys]  # handing out small reads costs more
         return list(self._readers.map(self.get, keys))
 
-    @_never_raises(lambda self, key, entry: False)
+    @never_raises(lambda self, key, entry: False)
     def put(self, key: bytes, entry: torch.Tensor) -> bool:
-        if entry.dtype != torch.int8 or entry.dim() != 1 or not entry.is_contiguous():
-            raise ValueError("a disk entry is a contiguous 1-D int8 tensor")
-        split_group_key(key)  # a malformed key fails here, not in a writer
+        size = self._file_bytes(key, entry)
         if not self.writable or self._closed:
             with self._lock:
                 self._stats.rejected_puts += 1
             return False
-        size = file_bytes(entry.numel(), self._mac_key is not None)
         with self._lock:
             if key in self._index or key in self._pending:
                 return True
             if size > self.capacity:
                 self._stats.rejected_puts += 1
                 return False
-            if self._pending_bytes + size > self.queue_bytes:
-                # Never stall the engine on the disk: the entry stays in the tiers above.
-                self._stats.dropped_puts += 1
-                return False
-            self._pending[key] = (entry, size)
-            self._pending_bytes += size
-        self._queue.put(key)
-        return True
+            return self._enqueue(key, entry, size)
 
-    @_never_raises(lambda self, key: False)
+    @never_raises(lambda self, key: False)
     def delete(self, key: bytes) -> bool:
-        with self._lock:
-            pending = self._pending.pop(key, None)
-            if pending is not None:
-                self._pending_bytes -= pending[1]
+        queued = self._cancel(key)
         known = self._forget(key)
         try:
             os.unlink(self.path_of(key))
             return True
         except OSError:
-            return pending is not None or known
+            return queued or known
 
-    @_never_raises()
+    @never_raises()
     def clear(self) -> None:
         """Drop queued writes and remove the files this tier wrote, each only while it is
         still the file written (another writer may have replaced it since). Other
         writers' entries in a shared directory stay: they are not this engine's to reset."""
         with self._lock:
-            self._pending.clear()
-            self._pending_bytes = 0
+            self._cancel_all()
             written, self._written = self._written, {}
             for key in written:
                 self._used -= self._index.pop(key, 0)
         for key, file_id in written.items():
             self._discard(self.path_of(key), file_id)
 
-    @_never_raises()
-    def flush(self) -> None:
-        """Wait until every queued write is on disk (or failed)."""
-        self._queue.join()
-
-    @_never_raises()
+    @never_raises()
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for _ in self._threads:
-            self._queue.put(None)
-        for t in self._threads:
-            t.join()
+        self._stop_writers(self._threads)
         self._readers.shutdown()
         _live_tokens.discard(self._token)
         atexit.unregister(self.close)
 
-    @_never_raises(lambda self: TierStats(capacity_bytes=self.capacity))
+    @never_raises(lambda self: TierStats(capacity_bytes=self.capacity))
     def stats(self) -> TierStats:
         with self._lock:
             s = TierStats(**vars(self._stats))
             s.entries, s.bytes_used = len(self._index), self._used
             return s
 
-    @_never_raises(lambda self, everything=False: [])
+    @never_raises(lambda self, everything=False: [])
     def take_changes(self, everything: bool = False) -> list[tuple[bytes, bool]]:
         """Keys that entered (True) or left (False) the index since the last call. The
         first call, and one with `everything`, returns every key held and (re)starts
@@ -526,22 +459,6 @@ class DiskTier(Tier):
             return changes
 
     # ---- internals ---------------------------------------------------------------------------
-    def _payload_bytes(self, key: bytes) -> int | None:
-        """What an entry of `key`'s group holds, if the layout's sizes were given."""
-        if self._entry_bytes is None:
-            return None
-        return self._entry_bytes[split_group_key(key)[1]]
-
-    def _count_miss(self) -> None:
-        with self._lock:
-            self._stats.misses += 1
-
-    def _fault(self, what: str, err: Exception) -> None:
-        with self._lock:
-            self._stats.errors += 1
-        kind = f"{what}:{type(err).__name__}:{getattr(err, 'errno', '')}"
-        self._warn_once(kind, "hybridkv: disk tier %s failed (%r); answered a miss", what, err)
-
     def _forget(self, key: bytes) -> bool:
         """Drop `key` from the index; whether it was there."""
         with self._lock:
@@ -554,26 +471,14 @@ class DiskTier(Tier):
     def _reject(self, key: bytes, path: Path, err: EntryFileError) -> None:
         """An unusable file: a counted miss. Removed only when no reader can use it, and
         only the very file read; another version's or another key's file stays."""
-        self._warn_once(
-            f"reject:{err.reason}",
-            "hybridkv: disk entry %s rejected (%s); treated as a miss%s",
-            path.name,
-            err,
-            " and removed" if err.damaged else ", left for the writer's readers",
-        )
-        self._forget(key)
-        with self._lock:
-            self._stats.corrupt += 1
-            self._stats.misses += 1
-            if not err.damaged and err.file_id is not None:
-                self._kept[key] = err.file_id
-        if err.damaged and err.file_id is not None:
+        self._count_rejected(key, path.name, err)
+        if err.file_id is None:
+            return
+        if err.damaged:
             self._discard(path, err.file_id)
-
-    def _warn_once(self, what: str, msg: str, *args: Any) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning(msg, *args)
+        else:
+            with self._lock:
+                self._kept[key] = err.file_id
 
     def _evict_to(self, limit: int) -> None:
         """Drop least recently used files until `limit` bytes are used. Holds the lock."""
@@ -626,10 +531,8 @@ class DiskTier(Tier):
                     os.fsync(f.fileno())
                 st = os.fstat(f.fileno())
             with self._lock:
-                if self._pending.get(key) is not pending:
+                if not self._unqueue(key, pending):
                     return  # deleted or cleared meanwhile: never resurrect it
-                del self._pending[key]
-                self._pending_bytes -= pending[1]
                 self._evict_to(self.capacity - pending[1])
                 os.replace(tmp, self.path_of(key).name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 created = None
@@ -645,9 +548,7 @@ class DiskTier(Tier):
             self._warn_once(f"write:{what}", "hybridkv: disk tier cannot write %s: %s", tmp, e)
             with self._lock:
                 self._stats.write_errors += 1
-                if self._pending.get(key) is pending:
-                    del self._pending[key]
-                    self._pending_bytes -= pending[1]
+                self._unqueue(key, pending)
         finally:
             if created is not None:
                 with contextlib.suppress(OSError):

@@ -32,11 +32,11 @@ Faults: a server unreachable (at start or later), restarted, slower than `timeou
 refusing writes (OOM) marks the tier down. While down every call answers a miss or False
 at once, without the network, and stores are dropped (counted); a background probe PINGs
 with exponential backoff (`backoff_s` doubling to `backoff_max_s`) and brings it back up.
-No method raises: faults are logged (once per kind) and counted in TierStats (`errors`;
-`write_errors` for puts a failed write lost). A value that is not a usable entry is a
-counted miss (`corrupt`), deleted only when no reader of any key or version can use it
-(entry_file's `damaged`); the delete may remove an entry another writer stored between
-the read and the delete: a later miss, never wrong data.
+No method raises (tiers/queued.py): faults are logged (once per kind) and counted in
+TierStats (`errors`; `write_errors` for puts a failed write lost). A value that is not a
+usable entry is a counted miss (`corrupt`), deleted only when no reader of any key or
+version can use it (entry_file's `damaged`); the delete may remove an entry another
+writer stored between the read and the delete: a later miss, never wrong data.
 
 Statistics: `entries` and `bytes_used` count what this process stored (at most the
 latest 2**18 entries) and has seen no sign of losing: not deleted, cleared, read as
@@ -63,19 +63,16 @@ from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
-from hybridkv.core.keys import split_group_key
-from hybridkv.core.tiers.base import Tier, TierStats
-from hybridkv.core.tiers.disk import _never_raises
+from hybridkv.core.tiers.base import TierStats
 from hybridkv.core.tiers.entry_file import (
     HEADER_BYTES,
     EntryFileError,
     claimed_bytes,
     decode_entry,
-    derive_mac_key,
     encode_entry,
     file_bytes,
-    new_entry,
 )
+from hybridkv.core.tiers.queued import QueuedTier, never_raises
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +102,10 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-class RedisTier(Tier):
+class RedisTier(QueuedTier):
     name = "redis"
+    _label = "Redis"
+    _log = log
 
     def __init__(
         self,
@@ -141,37 +140,27 @@ class RedisTier(Tier):
             raise ValueError(f"max_entry_bytes must be at least {MIN_PART_BYTES}")
         if ttl_s is not None and ttl_s < 1:
             raise ValueError("ttl_s must be at least 1 second (None: no expiry)")
+        super().__init__(fingerprint, entry_bytes, integrity_key, queue_bytes, alloc)
         self._url = url
         self.where = _without_password(url)  # for logs
         self.cluster = cluster
-        self.fingerprint = fingerprint
         self.ttl_s = ttl_s
         self.max_entry_bytes = max_entry_bytes
-        self.queue_bytes = queue_bytes
         self.timeout_s = timeout_ms / 1000
         self._namespace = f"{key_prefix}:{fingerprint.hex()}:"
-        self._entry_bytes = entry_bytes
-        self._mac_key = derive_mac_key(integrity_key) if integrity_key is not None else None
-        self._alloc = alloc or new_entry
         self._backoff_first = self._backoff = backoff_s
         self._backoff_max = backoff_max_s
         self._client: redis.Redis | RedisCluster | None = None
-        self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # the probe waits on it
-        self._stats = TierStats()
         self._stored: OrderedDict[bytes, int] = OrderedDict()
         self._stored_bytes = 0
-        self._pending: dict[bytes, tuple[torch.Tensor, int]] = {}
-        self._pending_bytes = 0
-        # Keys (to write) and lists of names (to unlink), in order; None stops the writer.
-        self._queue: queue.Queue[bytes | list[str] | None] = queue.Queue()
-        self._warned: set[str] = set()
+        # The write queue (self._queue) takes keys (to write) and lists of names (to
+        # unlink), in order.
         self._run_ids: tuple[str, ...] | None = None
         self._up = False
         self._clear_owed = False
         self._up_since = 0.0
         self._next_probe = 0.0
-        self._closed = False
         self._connect()
         self._writer = threading.Thread(target=self._write_loop, name="hybridkv-redis-writer")
         self._prober = threading.Thread(target=self._probe_loop, name="hybridkv-redis-probe")
@@ -191,11 +180,6 @@ class RedisTier(Tier):
         base = f"{self._namespace}{{{key.hex()}}}"
         return [base] + [f"{base}:p{i}" for i in range(1, parts)]
 
-    def _payload_bytes(self, key: bytes) -> int | None:
-        if self._entry_bytes is None:
-            return None
-        return self._entry_bytes[split_group_key(key)[1]]
-
     def _predicted_parts(self, key: bytes) -> int:
         """How many parts an entry of `key` has when written by a tier set up like this."""
         n = self._payload_bytes(key)
@@ -207,7 +191,7 @@ class RedisTier(Tier):
     def contains(self, key: bytes) -> bool:
         return self.contains_many([key])[0]
 
-    @_never_raises(lambda self, keys: [False] * len(keys))
+    @never_raises(lambda self, keys: [False] * len(keys))
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key has an entry (its first part), in one round trip."""
         with self._lock:
@@ -229,15 +213,9 @@ class RedisTier(Tier):
     def get(self, key: bytes) -> torch.Tensor | None:
         return self.get_many([key])[0]
 
-    @_never_raises(lambda self, keys: self._misses(len(keys)))
+    @never_raises(lambda self, keys: self._misses(len(keys)))
     def get_many(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
-        out: list[torch.Tensor | None] = [None] * len(keys)
-        with self._lock:
-            for i, k in enumerate(keys):
-                pending = self._pending.get(k)
-                if pending is not None:
-                    out[i] = pending[0]
-                    self._stats.hits += 1
+        out = self._queued_hits(keys)
         todo = [i for i, entry in enumerate(out) if entry is None]
         if not todo:
             return out
@@ -253,36 +231,26 @@ class RedisTier(Tier):
             out[i] = self._decode(keys[i], values[i])
         return out
 
-    @_never_raises(lambda self, key, entry: False)
+    @never_raises(lambda self, key, entry: False)
     def put(self, key: bytes, entry: torch.Tensor) -> bool:
-        if entry.dtype != torch.int8 or entry.dim() != 1 or not entry.is_contiguous():
-            raise ValueError("a Redis entry is a contiguous 1-D int8 tensor")
-        split_group_key(key)  # a malformed key fails here, not in the writer
-        size = file_bytes(entry.numel(), self._mac_key is not None)
+        size = self._file_bytes(key, entry)
         with self._lock:
             if key in self._pending:
                 return True
             if -(-size // self.max_entry_bytes) > MAX_PARTS or size > self.queue_bytes:
                 self._stats.rejected_puts += 1
                 return False
-            if not self._up or self._closed or self._pending_bytes + size > self.queue_bytes:
-                # Never stall the engine on Redis: the entry stays in the tiers above.
+            if not self._up or self._closed:  # down or closing: dropped, as when full
                 self._stats.dropped_puts += 1
                 return False
-            self._pending[key] = (entry, size)
-            self._pending_bytes += size
-        self._queue.put(key)
-        return True
+            return self._enqueue(key, entry, size)
 
-    @_never_raises(lambda self, key: False)
+    @never_raises(lambda self, key: False)
     def delete(self, key: bytes) -> bool:
         """Remove the entry (every part the first one's header counts): two round trips."""
-        with self._lock:
-            pending = self._pending.pop(key, None)
-            if pending is not None:
-                self._pending_bytes -= pending[1]
+        queued = self._cancel(key)
         if not self._up:
-            return pending is not None
+            return queued
         self._forget(key)
         first = self.names(key)[0]
         pipe = self._pipeline()
@@ -294,18 +262,17 @@ class RedisTier(Tier):
         pipe = self._pipeline()
         pipe.execute_command("UNLINK", *names)  # one slot
         (removed,) = self._execute(pipe)
-        if pending is not None:
+        if queued:
             self._queue.put(names)  # after a write of it that may be under way
-        return (isinstance(removed, int) and removed > 0) or pending is not None
+        return (isinstance(removed, int) and removed > 0) or queued
 
-    @_never_raises()
+    @never_raises()
     def clear(self) -> None:
         """Drop queued writes and every entry of this layout under this prefix: all
         replicas share them, and a reset (new weights, say) makes them all stale. While
         down, the entries go when the tier comes back, before it serves any."""
         with self._lock:
-            self._pending.clear()
-            self._pending_bytes = 0
+            self._cancel_all()
             self._clear_owed = True
         if self._up:
             self._unlink_namespace()
@@ -326,26 +293,20 @@ class RedisTier(Tier):
             self._forget_all()
             self._clear_owed = False
 
-    @_never_raises()
-    def flush(self) -> None:
-        """Wait until every queued write is written (or failed, or dropped)."""
-        self._queue.join()
-
-    @_never_raises()
+    @never_raises()
     def close(self) -> None:
         if self._closed:
             return
         with self._lock:
             self._closed = True
             self._wake.notify_all()
-        self._queue.put(None)
-        self._writer.join()
+        self._stop_writers([self._writer])
         self._prober.join()
         if self._client is not None:
             self._client.close()
         atexit.unregister(self.close)
 
-    @_never_raises(lambda self: TierStats())
+    @never_raises(lambda self: TierStats())
     def stats(self) -> TierStats:
         with self._lock:
             s = TierStats(**vars(self._stats))
@@ -412,14 +373,7 @@ class RedisTier(Tier):
             self._reject(key, error, len(parts))
             return None
         try:
-            entry = decode_entry(
-                parts,
-                self.fingerprint,
-                key,
-                payload_bytes=self._payload_bytes(key),
-                alloc=self._alloc,
-                mac_key=self._mac_key,
-            )
+            entry = decode_entry(parts, self.fingerprint, key, **self._read_checks(key))
         except EntryFileError as e:
             self._reject(key, e, len(parts))
             return None
@@ -430,27 +384,12 @@ class RedisTier(Tier):
     def _reject(self, key: bytes, err: EntryFileError, parts: int) -> None:
         """An unusable value: a counted miss, deleted (in the background) only when no
         reader can use it; another version's or another key's stays."""
-        self._warn_once(
-            f"reject:{err.reason}",
-            "hybridkv: Redis entry %s rejected (%s); treated as a miss%s",
-            self.names(key)[0],
-            err,
-            " and removed" if err.damaged else ", left for the writer's readers",
-        )
-        self._forget(key)
-        with self._lock:
-            self._stats.corrupt += 1
-            self._stats.misses += 1
+        self._count_rejected(key, self.names(key)[0], err)
         if err.damaged:
             self._queue.put(self.names(key, max(parts, self._parts_hint(key))))
 
     def _parts_hint(self, key: bytes) -> int:
         return self._predicted_parts(key) if self._entry_bytes is not None else 1
-
-    def _misses(self, n: int) -> list[torch.Tensor | None]:
-        with self._lock:
-            self._stats.misses += n
-        return [None] * n
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
@@ -527,15 +466,6 @@ class RedisTier(Tier):
                 if self._unqueue(k, p):
                     self._stats.puts += 1
                     self._remember(k, p[1])
-
-    def _unqueue(self, key: bytes, pending: tuple[torch.Tensor, int]) -> bool:
-        """Take a written (or failed) entry off the queue; False if it was deleted or
-        cleared meanwhile. Holds the lock."""
-        if self._pending.get(key) is not pending:
-            return False
-        del self._pending[key]
-        self._pending_bytes -= pending[1]
-        return True
 
     def _encode(self, key: bytes, entry: torch.Tensor) -> list[bytes | memoryview]:
         """The entry file's bytes, cut into parts of `max_entry_bytes` (views, no copy)."""
@@ -663,11 +593,8 @@ class RedisTier(Tier):
         """A fault met by a call (counted): a server fault takes the tier down."""
         if isinstance(err, _SERVER_FAULTS):
             self._down(what, err)
-            return
-        with self._lock:
-            self._stats.errors += 1
-        kind = f"{what}:{type(err).__name__}"
-        self._warn_once(kind, "hybridkv: Redis tier %s failed (%r); answered a miss", what, err)
+        else:
+            super()._fault(what, err)
 
     def _log_change(self, what: str, msg: str, *args: Any) -> None:
         """Going down or up: a warning the first time for each kind, then info (a
@@ -676,8 +603,3 @@ class RedisTier(Tier):
             log.info(msg, *args)
         else:
             self._warn_once(what, msg, *args)
-
-    def _warn_once(self, what: str, msg: str, *args: Any) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning(msg, *args)
