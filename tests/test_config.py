@@ -34,7 +34,12 @@ def test_all_settings():
             "model_id": "org/model",
         }
     )
-    assert cfg == HybridKVConfig(512 * 1024**2, 256, "every_chunk", "org/model")
+    assert cfg == HybridKVConfig(
+        cpu_bytes=512 * 1024**2,
+        chunk_tokens=256,
+        checkpoint_policy="every_chunk",
+        model_id="org/model",
+    )
     assert HybridKVConfig.from_dict({"chunk_tokens": None}).chunk_tokens is None
 
 
@@ -191,3 +196,711 @@ def test_bad_integrity_key(tmp_path, value):
     with pytest.raises(ConfigError, match=r"^integrity_key: ") as err:
         HybridKVConfig.from_dict({"disk_path": str(tmp_path), "integrity_key": value})
     assert not value or str(value) not in str(err.value)  # a secret is never echoed
+
+
+# ---------------------------------------------------------------------------------------
+# The typed model: tiers, shorthand, sources, effective config.
+
+import json  # noqa: E402
+import os  # noqa: E402
+
+import pydantic  # noqa: E402
+
+from hybridkv.core.config import (  # noqa: E402
+    CpuTierConfig,
+    DiskTierConfig,
+    RedisTierConfig,
+    effective,
+    format_size,
+    mask_url,
+    parse_mode,
+)
+
+GiB, MiB = 1024**3, 1024**2
+SECRET = "s3cret-of-sixteen-chars"
+
+
+@pytest.fixture(autouse=True)
+def _no_hybridkv_env(monkeypatch):
+    """The shell's HYBRIDKV_* settings must not leak into these tests."""
+    for name in list(os.environ):
+        if name.startswith("HYBRIDKV_"):
+            monkeypatch.delenv(name)
+
+
+def full_tiers(path):
+    return [
+        {"kind": "cpu", "bytes": "4GiB"},
+        {
+            "kind": "disk",
+            "path": path,
+            "bytes": "64GiB",
+            "fsync": False,
+            "queue_bytes": "128MiB",
+            "mode": "0660",
+            "load_weight": 1.0,
+            "store": "always",
+        },
+        {
+            "kind": "redis",
+            "url": "redis://127.0.0.1:6379/0",
+            "cluster": False,
+            "ttl_s": None,
+            "key_prefix": "hybridkv",
+            "timeout_ms": 200,
+            "max_entry_bytes": "8MiB",
+            "queue_bytes": "256MiB",
+            "load_weight": 0.5,
+            "store": "on_evict",
+        },
+    ]
+
+
+def test_tiers_list(tmp_path):
+    cfg = HybridKVConfig.from_dict({"tiers": full_tiers(str(tmp_path))})
+    cpu, disk, redis = cfg.tiers
+    assert isinstance(cpu, CpuTierConfig) and cpu.bytes == 4 * GiB and cpu.store == "always"
+    assert isinstance(disk, DiskTierConfig)
+    assert (disk.path, disk.bytes, disk.mode, disk.queue_bytes) == (
+        str(tmp_path),
+        64 * GiB,
+        0o660,
+        128 * MiB,
+    )
+    assert isinstance(redis, RedisTierConfig)
+    assert (redis.url, redis.load_weight, redis.store) == (
+        "redis://127.0.0.1:6379/0",
+        0.5,
+        "on_evict",
+    )
+    assert (cfg.cpu, cfg.disk, cfg.redis) == (cpu, disk, redis)
+    assert cfg.tier("disk") is disk
+    # The flat attributes read the same values.
+    assert (cfg.cpu_bytes, cfg.disk_path, cfg.disk_bytes, cfg.disk_mode) == (
+        4 * GiB,
+        str(tmp_path),
+        64 * GiB,
+        0o660,
+    )
+    assert (cfg.disk_fsync, cfg.disk_queue_bytes) == (False, 128 * MiB)
+    assert (cfg.redis_url, cfg.redis_cluster, cfg.redis_ttl_s) == (redis.url, False, None)
+    assert (cfg.redis_key_prefix, cfg.redis_timeout_ms) == ("hybridkv", 200)
+    assert (cfg.redis_max_entry_bytes, cfg.redis_queue_bytes) == (8 * MiB, 256 * MiB)
+
+
+def test_tier_order_is_lookup_order(tmp_path):
+    tiers = full_tiers(str(tmp_path))
+    cfg = HybridKVConfig.from_dict({"tiers": [tiers[0], tiers[2], tiers[1]]})
+    assert [t.kind for t in cfg.tiers] == ["cpu", "redis", "disk"]
+    assert HybridKVConfig.from_dict({"tiers": [{"kind": "cpu"}]}) == HybridKVConfig()
+
+
+def test_flat_attributes_without_tiers():
+    cfg = HybridKVConfig()
+    assert [t.kind for t in cfg.tiers] == ["cpu"]
+    assert (cfg.disk, cfg.redis, cfg.disk_path, cfg.redis_url) == (None, None, None, None)
+    assert (cfg.disk_bytes, cfg.disk_fsync, cfg.disk_queue_bytes, cfg.disk_mode) == (
+        16 * GiB,
+        False,
+        256 * MiB,
+        0o600,
+    )
+    assert (cfg.redis_cluster, cfg.redis_ttl_s, cfg.redis_key_prefix) == (False, None, "hybridkv")
+    assert (cfg.redis_timeout_ms, cfg.redis_max_entry_bytes) == (200, 8 * MiB)
+    assert cfg.eviction_alpha == 1.0 and cfg.integrity_key is None and cfg.config_file is None
+
+
+def test_frozen_and_hashable(tmp_path):
+    cfg = HybridKVConfig.from_dict({"disk_path": str(tmp_path)})
+    with pytest.raises(pydantic.ValidationError):
+        cfg.chunk_tokens = 5
+    with pytest.raises(pydantic.ValidationError):
+        cfg.tiers[1].bytes = 5
+    assert hash(cfg) == hash(HybridKVConfig.from_dict({"disk_path": str(tmp_path)}))
+
+
+@pytest.mark.parametrize(
+    ("flat", "tiers"),
+    [
+        ({}, [{"kind": "cpu"}]),
+        ({"cpu_bytes": "1GiB"}, [{"kind": "cpu", "bytes": GiB}]),
+        (
+            {"disk_path": "{d}", "disk_bytes": "2GiB", "disk_fsync": True, "disk_mode": 0o640},
+            [
+                {"kind": "cpu"},
+                {"kind": "disk", "path": "{d}", "bytes": 2 * GiB, "fsync": True, "mode": "0640"},
+            ],
+        ),
+        (
+            {"disk_path": "{d}", "disk_queue_bytes": "1MiB", "redis_url": "redis://h:1/2"},
+            [
+                {"kind": "cpu"},
+                {"kind": "disk", "path": "{d}", "queue_bytes": MiB},
+                {"kind": "redis", "url": "redis://h:1/2"},
+            ],
+        ),
+        (
+            {
+                "cpu_bytes": 7,
+                "redis_url": "rediss://h/0",
+                "redis_cluster": True,
+                "redis_ttl_s": 3600,
+                "redis_key_prefix": "kv",
+                "redis_timeout_ms": 50,
+                "redis_max_entry_bytes": "1MiB",
+                "redis_queue_bytes": "64MiB",
+                "integrity_key": SECRET,
+            },
+            [
+                {"kind": "cpu", "bytes": 7},
+                {
+                    "kind": "redis",
+                    "url": "rediss://h/0",
+                    "cluster": True,
+                    "ttl_s": 3600,
+                    "key_prefix": "kv",
+                    "timeout_ms": 50,
+                    "max_entry_bytes": MiB,
+                    "queue_bytes": 64 * MiB,
+                },
+            ],
+        ),
+    ],
+)
+def test_shorthand_is_a_tiers_list(tmp_path, flat, tiers):
+    d = str(tmp_path / "d")
+    flat = {k: v.replace("{d}", d) if isinstance(v, str) else v for k, v in flat.items()}
+    tiers = [
+        {k: v.replace("{d}", d) if isinstance(v, str) else v for k, v in t.items()} for t in tiers
+    ]
+    extra = {"integrity_key": flat["integrity_key"]} if "integrity_key" in flat else {}
+    a = HybridKVConfig.from_dict(flat)
+    b = HybridKVConfig.from_dict({"tiers": tiers, **extra})
+    assert a == b and effective(a) == effective(b)
+    assert HybridKVConfig(**flat) == a  # direct construction takes the shorthand too
+
+
+FLAT_VALUES = {
+    "cpu_bytes": st.sampled_from([0, "1KiB", "3GB", 12345]),
+    "disk_bytes": st.sampled_from(["1GiB", 99, "2TB"]),
+    "disk_fsync": st.booleans(),
+    "disk_queue_bytes": st.sampled_from(["1MiB", 4096]),
+    "disk_mode": st.sampled_from(["0600", "0660", 0o640]),
+    "redis_cluster": st.booleans(),
+    "redis_ttl_s": st.sampled_from([None, 1, 86400]),
+    "redis_key_prefix": st.sampled_from(["hybridkv", "a:b"]),
+    "redis_timeout_ms": st.integers(1, 10_000),
+    "redis_max_entry_bytes": st.sampled_from(["4KiB", "8MiB", 10**6]),
+    "redis_queue_bytes": st.sampled_from(["1MiB", 10**9]),
+}
+
+
+@given(
+    flat=st.fixed_dictionaries({}, optional=FLAT_VALUES),
+    disk=st.booleans(),
+    redis=st.booleans(),
+)
+def test_shorthand_is_a_tiers_list_property(flat, disk, redis):
+    flat = {k: v for k, v in flat.items() if (disk or not k.startswith("disk_"))}
+    flat = {k: v for k, v in flat.items() if (redis or not k.startswith("redis_"))}
+    if disk:
+        flat["disk_path"] = "/tmp/hybridkv-config-test"
+    if redis:
+        flat["redis_url"] = "redis://127.0.0.1:6379/0"
+    tiers: list[dict] = [{"kind": "cpu"}]
+    for key, value in flat.items():
+        kind, _, field_name = key.partition("_")
+        t = next((t for t in tiers if t["kind"] == kind), None)
+        if t is None:
+            t = {"kind": kind}
+            tiers.append(t)
+        t[field_name] = value
+    tiers.sort(key=lambda t: ["cpu", "disk", "redis"].index(t["kind"]))
+    assert HybridKVConfig.from_dict(flat, env={}) == HybridKVConfig.from_dict(
+        {"tiers": tiers}, env={}
+    )
+
+
+# Every validation error path names its key -----------------------------------------------
+
+
+def _err(raw, key, env=None):
+    with pytest.raises(ConfigError) as e:
+        HybridKVConfig.from_dict(raw, env=env or {})
+    msg = str(e.value)
+    assert msg.startswith(f"{key}: "), msg
+    return msg
+
+
+@pytest.mark.parametrize(
+    ("tier", "key"),
+    [
+        ({"kind": "disk"}, "tiers[1].path"),
+        ({"kind": "disk", "path": ""}, "tiers[1].path"),
+        ({"kind": "disk", "path": "{d}", "bytes": 0}, "tiers[1].bytes"),
+        ({"kind": "disk", "path": "{d}", "bytes": "1 furlong"}, "tiers[1].bytes"),
+        ({"kind": "disk", "path": "{d}", "fsync": "yes"}, "tiers[1].fsync"),
+        ({"kind": "disk", "path": "{d}", "queue_bytes": 0}, "tiers[1].queue_bytes"),
+        ({"kind": "disk", "path": "{d}", "mode": "0400"}, "tiers[1].mode"),
+        ({"kind": "disk", "path": "{d}", "load_weight": 0}, "tiers[1].load_weight"),
+        ({"kind": "disk", "path": "{d}", "load_weight": -1.0}, "tiers[1].load_weight"),
+        ({"kind": "disk", "path": "{d}", "load_weight": float("inf")}, "tiers[1].load_weight"),
+        ({"kind": "disk", "path": "{d}", "load_weight": True}, "tiers[1].load_weight"),
+        ({"kind": "disk", "path": "{d}", "store": "sometimes"}, "tiers[1].store"),
+        ({"kind": "disk", "path": "{d}", "paht": "x"}, "tiers[1].paht"),
+        ({"kind": "redis"}, "tiers[1].url"),
+        ({"kind": "redis", "url": "http://h/0"}, "tiers[1].url"),
+        ({"kind": "redis", "url": "redis://h:port/0"}, "tiers[1].url"),
+        ({"kind": "redis", "url": "redis:///0"}, "tiers[1].url"),
+        ({"kind": "redis", "url": 6379}, "tiers[1].url"),
+        ({"kind": "redis", "url": "redis://h", "cluster": 1}, "tiers[1].cluster"),
+        ({"kind": "redis", "url": "redis://h", "ttl_s": 0}, "tiers[1].ttl_s"),
+        ({"kind": "redis", "url": "redis://h", "ttl_s": 1.5}, "tiers[1].ttl_s"),
+        ({"kind": "redis", "url": "redis://h", "key_prefix": ""}, "tiers[1].key_prefix"),
+        ({"kind": "redis", "url": "redis://h", "key_prefix": "a{b}"}, "tiers[1].key_prefix"),
+        ({"kind": "redis", "url": "redis://h", "timeout_ms": 0}, "tiers[1].timeout_ms"),
+        (
+            {"kind": "redis", "url": "redis://h", "max_entry_bytes": "1KiB"},
+            "tiers[1].max_entry_bytes",
+        ),
+        ({"kind": "redis", "url": "redis://h", "queue_bytes": 0}, "tiers[1].queue_bytes"),
+        ({"kind": "redis", "url": "redis://h", "bytes": "1GiB"}, "tiers[1].bytes"),
+        ({"kind": "ssd"}, "tiers[1].kind"),
+        ({"path": "/x"}, "tiers[1].kind"),
+        ("disk", "tiers[1]"),
+    ],
+)
+def test_bad_tier(tmp_path, tier, key):
+    if isinstance(tier, dict):
+        tier = {
+            k: v.replace("{d}", str(tmp_path)) if isinstance(v, str) else v for k, v in tier.items()
+        }
+    _err({"tiers": [{"kind": "cpu"}, tier]}, key)
+
+
+@pytest.mark.parametrize(
+    ("cpu", "key"),
+    [
+        ({"kind": "cpu", "bytes": -1}, "tiers[0].bytes"),
+        ({"kind": "cpu", "store": "never"}, "tiers[0].store"),
+        ({"kind": "cpu", "path": "/x"}, "tiers[0].path"),
+    ],
+)
+def test_bad_cpu_tier(cpu, key):
+    _err({"tiers": [cpu]}, key)
+
+
+def test_tier_list_structure(tmp_path):
+    disk = {"kind": "disk", "path": str(tmp_path)}
+    redis = {"kind": "redis", "url": "redis://h/0"}
+    assert "required" in _err({"tiers": []}, "tiers")
+    assert "required" in _err({"tiers": [disk]}, "tiers")
+    assert "first" in _err({"tiers": [disk, {"kind": "cpu"}]}, "tiers[1].kind")
+    assert "second" in _err({"tiers": [{"kind": "cpu"}, disk, disk]}, "tiers[2].kind")
+    assert "second" in _err({"tiers": [{"kind": "cpu"}, redis, disk, redis]}, "tiers[3].kind")
+    assert "second" in _err({"tiers": [{"kind": "cpu"}, {"kind": "cpu"}]}, "tiers[1].kind")
+    _err({"tiers": "cpu"}, "tiers")
+    assert HybridKVConfig.from_dict({"tiers": None}) == HybridKVConfig()  # null: the default
+    assert HybridKVConfig.from_dict({"tiers": None, "cpu_bytes": 1}).cpu_bytes == 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({"redis_url": "redis://h", "redis_cluster": "no"}, "redis_cluster"),
+        ({"redis_url": "redis://h", "redis_ttl_s": -5}, "redis_ttl_s"),
+        ({"redis_url": "redis://h", "redis_key_prefix": "{x"}, "redis_key_prefix"),
+        ({"redis_url": "redis://h", "redis_timeout_ms": "fast"}, "redis_timeout_ms"),
+        ({"redis_url": "redis://h", "redis_max_entry_bytes": 100}, "redis_max_entry_bytes"),
+        ({"redis_url": "redis://h", "redis_queue_bytes": "-1"}, "redis_queue_bytes"),
+        ({"redis_url": "ftp://h"}, "redis_url"),
+        ({"redis_url": ""}, "redis_url"),
+        ({"eviction_alpha": -0.1}, "eviction_alpha"),
+        ({"eviction_alpha": "1"}, "eviction_alpha"),
+        ({"eviction_alpha": True}, "eviction_alpha"),
+        ({"eviction_alpha": float("nan")}, "eviction_alpha"),
+        ({"config_file": 7}, "config_file"),
+        ({"config_file": ""}, "config_file"),
+    ],
+)
+def test_bad_settings(raw, key):
+    _err(raw, key)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "redis_cluster",
+        "redis_ttl_s",
+        "redis_key_prefix",
+        "redis_timeout_ms",
+        "redis_max_entry_bytes",
+        "redis_queue_bytes",
+    ],
+)
+def test_redis_setting_without_redis_url(key):
+    assert "has no effect without redis_url" in _err({key: 1}, key)
+    assert "has no effect without redis_url" in _err({key: 1, "redis_url": None}, key)
+
+
+@pytest.mark.parametrize("key", ["cpu_bytes", "disk_path", "disk_mode", "redis_url", "redis_ttl_s"])
+def test_shorthand_and_tiers_in_one_place(key):
+    msg = _err({"tiers": [{"kind": "cpu"}], key: "1"}, key)
+    assert "tiers" in msg
+
+
+def test_integrity_key_with_redis_only():
+    cfg = HybridKVConfig.from_dict({"redis_url": "redis://h/0", "integrity_key": SECRET})
+    assert cfg.integrity_key == SECRET and cfg.disk_path is None
+    tiers = [{"kind": "cpu"}, {"kind": "redis", "url": "redis://h/0"}]
+    assert HybridKVConfig.from_dict({"tiers": tiers, "integrity_key": SECRET}) == cfg
+    _err({"tiers": [{"kind": "cpu"}], "integrity_key": SECRET}, "integrity_key")
+
+
+def test_errors_from_direct_construction_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"^disk_bytes: "):
+        HybridKVConfig(disk_path=str(tmp_path), disk_bytes=0)
+    with pytest.raises(ConfigError, match=r"^tiers\[1\]\.bytes: "):
+        HybridKVConfig(tiers=[CpuTierConfig(), {"kind": "disk", "path": str(tmp_path), "bytes": 0}])
+    cfg = HybridKVConfig(tiers=[CpuTierConfig(bytes=5), DiskTierConfig(path=str(tmp_path))])
+    assert (cfg.cpu_bytes, cfg.disk_path) == (5, str(tmp_path))
+
+
+def test_many_errors_one_line_each():
+    msg = _err({"zzz": 1, "chunk_tokens": 0, "eviction_alpha": -1}, "zzz")
+    lines = msg.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["zzz", "chunk_tokens", "eviction_alpha"]
+
+
+# Unwritable and unusable disk paths ---------------------------------------------------
+
+
+def test_disk_path_unwritable(tmp_path, monkeypatch):
+    """The check itself (root may write anywhere, so os.access is made to refuse)."""
+    real_access = os.access
+    locked = str(tmp_path / "locked")
+    os.mkdir(locked)
+    monkeypatch.setattr(os, "access", lambda p, m: p != locked and real_access(p, m))
+    assert "not writable" in _err({"disk_path": f"{locked}/a/b"}, "disk_path")
+    tiers = [{"kind": "cpu"}, {"kind": "disk", "path": f"{locked}/new"}]
+    assert "not writable" in _err({"tiers": tiers}, "tiers[1].path")
+    assert "not readable" in _err({"disk_path": locked}, "disk_path")
+    HybridKVConfig.from_dict({"disk_path": str(tmp_path / "free" / "new")})
+
+
+def test_existing_read_only_disk_path_is_accepted(tmp_path, monkeypatch):
+    """A directory of entries this process may read but not write serves hits (the disk
+    tier stores nothing there and says so): not a configuration error."""
+    real_access = os.access
+    frozen = str(tmp_path / "frozen")
+    os.mkdir(frozen)
+    monkeypatch.setattr(
+        os, "access", lambda p, m: real_access(p, m) and not (p == frozen and m & os.W_OK)
+    )
+    assert HybridKVConfig.from_dict({"disk_path": frozen}).disk_path == frozen
+    _err({"disk_path": f"{frozen}/sub"}, "disk_path")  # but nothing can be created in it
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permissions")
+def test_disk_path_unwritable_for_real(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        _err({"disk_path": str(locked / "cache")}, "disk_path")
+    finally:
+        locked.chmod(0o700)
+
+
+def test_disk_path_under_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("")
+    assert "is not a directory" in _err({"disk_path": str(f / "sub" / "dir")}, "disk_path")
+    tiers = [{"kind": "cpu"}, {"kind": "disk", "path": str(f)}]
+    assert "is not a directory" in _err({"tiers": tiers}, "tiers[1].path")
+
+
+# Sources: config_file < kv_connector_extra_config < HYBRIDKV_* environment ----------------
+
+
+def test_yaml_config_file(tmp_path):
+    d = tmp_path / "cache"
+    f = tmp_path / "hybridkv.yaml"
+    f.write_text(
+        "# hybridkv settings\n"
+        "tiers:\n"
+        "  - {kind: cpu, bytes: 4GiB}\n"
+        f"  - kind: disk\n    path: {d}\n    bytes: 64GiB\n    mode: 0660\n"
+        "  - {kind: redis, url: 'redis://127.0.0.1:6379/0', ttl_s: 3600}\n"
+        "chunk_tokens: 64\n"
+    )
+    cfg = HybridKVConfig.from_dict({"config_file": str(f)}, env={})
+    assert [t.kind for t in cfg.tiers] == ["cpu", "disk", "redis"]
+    assert (cfg.cpu_bytes, cfg.disk_path, cfg.disk_mode) == (4 * GiB, str(d), 0o660)
+    assert (cfg.redis_ttl_s, cfg.chunk_tokens, cfg.config_file) == (3600, 64, str(f))
+
+
+def test_json_config_file(tmp_path):
+    f = tmp_path / "hybridkv.json"
+    f.write_text(json.dumps({"cpu_bytes": "1GiB", "checkpoint_policy": "every_chunk"}))
+    cfg = HybridKVConfig.from_dict({"config_file": str(f)}, env={})
+    assert (cfg.cpu_bytes, cfg.checkpoint_policy) == (GiB, "every_chunk")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert HybridKVConfig.from_dict({"config_file": str(empty)}) == HybridKVConfig(
+        config_file=str(empty)
+    )
+
+
+def test_precedence_file_dict_env(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("cpu_bytes: 1GiB\nchunk_tokens: 16\nmodel_id: from-file\neviction_alpha: 3\n")
+    raw = {"config_file": str(f), "chunk_tokens": 32, "model_id": "from-dict"}
+    env = {"HYBRIDKV_MODEL_ID": "from-env", "HYBRIDKV_EVICTION_ALPHA": "0.5"}
+    cfg = HybridKVConfig.from_dict(raw, env=env)
+    assert cfg.cpu_bytes == GiB  # file only
+    assert cfg.chunk_tokens == 32  # dict over file
+    assert cfg.model_id == "from-env"  # env over dict
+    assert cfg.eviction_alpha == 0.5  # env over file
+    assert HybridKVConfig.from_dict(raw, env={}).model_id == "from-dict"
+    assert raw == {"config_file": str(f), "chunk_tokens": 32, "model_id": "from-dict"}
+
+
+def test_env_reads_os_environ_by_default(monkeypatch):
+    monkeypatch.setenv("HYBRIDKV_CPU_BYTES", "8GiB")
+    assert HybridKVConfig.from_dict({"cpu_bytes": "1GiB"}).cpu_bytes == 8 * GiB
+    monkeypatch.setenv("HYBRIDKV_CPU_BYTES", "")  # empty: unset
+    assert HybridKVConfig.from_dict({"cpu_bytes": "1GiB"}).cpu_bytes == GiB
+
+
+def test_env_value_types(tmp_path):
+    env = {
+        "HYBRIDKV_DISK_PATH": str(tmp_path),
+        "HYBRIDKV_DISK_FSYNC": "true",
+        "HYBRIDKV_DISK_MODE": "0660",
+        "HYBRIDKV_CHUNK_TOKENS": "128",
+        "HYBRIDKV_REDIS_URL": "redis://h/0",
+        "HYBRIDKV_REDIS_CLUSTER": "no",
+        "HYBRIDKV_REDIS_TTL_S": "none",
+        "HYBRIDKV_REDIS_TIMEOUT_MS": "75",
+        "HYBRIDKV_INTEGRITY_KEY": "1234567890123456789",
+        "HYBRIDKV_MODEL_ID": "123",
+        "HYBRIDKV_HOME": "/not/a/setting",
+    }
+    cfg = HybridKVConfig.from_dict({"redis_ttl_s": 9, "redis_url": "redis://x/1"}, env=env)
+    assert (cfg.disk_path, cfg.disk_fsync, cfg.disk_mode) == (str(tmp_path), True, 0o660)
+    assert (cfg.chunk_tokens, cfg.redis_url, cfg.redis_cluster) == (128, "redis://h/0", False)
+    assert (cfg.redis_ttl_s, cfg.redis_timeout_ms) == (None, 75)
+    assert (cfg.integrity_key, cfg.model_id) == ("1234567890123456789", "123")
+
+
+def test_env_errors_name_the_key_and_variable():
+    msg = _err({}, "cpu_bytes", env={"HYBRIDKV_CPU_BYTES": "lots"})
+    assert "HYBRIDKV_CPU_BYTES" in msg
+    msg = _err({}, "chunk_tokens", env={"HYBRIDKV_CHUNK_TOKENS": "many"})
+    assert "HYBRIDKV_CHUNK_TOKENS" in msg
+    _err({}, "disk_fsync", env={"HYBRIDKV_DISK_FSYNC": "maybe", "HYBRIDKV_DISK_PATH": "/tmp"})
+    _err({}, "disk_bytes", env={"HYBRIDKV_DISK_BYTES": "1GiB"})
+
+
+def test_unknown_env_variable_is_ignored_with_a_warning(caplog):
+    cfg = HybridKVConfig.from_dict({}, env={"HYBRIDKV_CPU_BYTS": "1GiB", "HYBRIDKV_TIERS": "[]"})
+    assert cfg == HybridKVConfig()
+    assert "HYBRIDKV_CPU_BYTS" in caplog.text and "HYBRIDKV_TIERS" in caplog.text
+
+
+def test_env_shorthand_over_a_tiers_list(tmp_path):
+    tiers = [{"kind": "cpu", "bytes": "1GiB"}, {"kind": "redis", "url": "redis://h/0"}]
+    env = {"HYBRIDKV_CPU_BYTES": "2GiB", "HYBRIDKV_DISK_PATH": str(tmp_path)}
+    cfg = HybridKVConfig.from_dict({"tiers": tiers}, env=env)
+    # The disk tier joins under cpu and above redis, as the shorthand orders them.
+    assert [t.kind for t in cfg.tiers] == ["cpu", "disk", "redis"]
+    assert (cfg.cpu_bytes, cfg.disk_path, cfg.redis_url) == (2 * GiB, str(tmp_path), "redis://h/0")
+    env = {"HYBRIDKV_REDIS_TIMEOUT_MS": "9"}
+    assert HybridKVConfig.from_dict({"tiers": tiers}, env=env).redis_timeout_ms == 9
+    # A shorthand key for a tier the list lacks, without its path or URL, names itself.
+    _err({"tiers": tiers}, "disk_bytes", env={"HYBRIDKV_DISK_BYTES": "1GiB"})
+
+
+def test_dict_shorthand_over_file_tiers(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(f"tiers:\n  - kind: cpu\n  - kind: disk\n    path: {tmp_path}\n    bytes: 1GiB\n")
+    cfg = HybridKVConfig.from_dict({"config_file": str(f), "disk_bytes": "2GiB"}, env={})
+    assert (cfg.disk_path, cfg.disk_bytes) == (str(tmp_path), 2 * GiB)
+    # A null disk_path in a higher source removes the lower source's disk tier.
+    cfg = HybridKVConfig.from_dict({"config_file": str(f), "disk_path": None}, env={})
+    assert cfg.disk is None
+    # A tiers list in a higher source replaces the whole list.
+    cfg = HybridKVConfig.from_dict({"config_file": str(f), "tiers": [{"kind": "cpu"}]}, env={})
+    assert [t.kind for t in cfg.tiers] == ["cpu"]
+
+
+def test_config_file_from_env(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("cpu_bytes: 3GiB\n")
+    cfg = HybridKVConfig.from_dict(
+        {"config_file": "/nonexistent.yaml"}, env={"HYBRIDKV_CONFIG_FILE": str(f)}
+    )
+    assert (cfg.cpu_bytes, cfg.config_file) == (3 * GiB, str(f))
+
+
+@pytest.mark.parametrize(
+    ("text", "name", "expect"),
+    [
+        ("cpu_bytes: [1, 2", "c.yaml", "not valid YAML"),
+        ('{"cpu_bytes": ', "c.json", "not valid JSON"),
+        ("- cpu_bytes: 1\n", "c.yaml", "must hold a mapping"),
+        ("just a string\n", "c.yaml", "must hold a mapping"),
+        ("config_file: other.yaml\n", "c.yaml", "do not nest"),
+    ],
+)
+def test_bad_config_file(tmp_path, text, name, expect):
+    f = tmp_path / name
+    f.write_text(text)
+    assert expect in _err({"config_file": str(f)}, "config_file")
+
+
+def test_missing_config_file(tmp_path):
+    assert "cannot read" in _err({"config_file": str(tmp_path / "nope.yaml")}, "config_file")
+
+
+def test_errors_in_a_config_file_name_the_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("cpu_bytes: lots\n")
+    assert str(f) in _err({"config_file": str(f)}, "cpu_bytes")
+    f.write_text("cpu_bites: 1\n")
+    msg = _err({"config_file": str(f)}, "cpu_bites")
+    assert f"unknown hybridkv setting in config_file '{f}'" in msg
+    f.write_text("tiers: [{kind: cpu}, {kind: disk, path: ''}]\n")
+    assert str(f) in _err({"config_file": str(f)}, "tiers[1].path")
+    f.write_text("tiers: [{kind: cpu}]\ncpu_bytes: 1\n")
+    assert str(f) in _err({"config_file": str(f)}, "cpu_bytes")
+
+
+# Secrets and the effective configuration ----------------------------------------------
+
+
+def test_effective_masks_secrets(tmp_path):
+    url = "redis://user:hunter2-password@127.0.0.1:6379/0"
+    raw = {"disk_path": str(tmp_path), "redis_url": url, "integrity_key": SECRET}
+    cfg = HybridKVConfig.from_dict(raw)
+    eff = effective(cfg)
+    text = json.dumps(eff)  # JSON-serializable, for one log line
+    assert SECRET not in text and "hunter2" not in text
+    assert eff["integrity_key"] == "***"
+    assert eff["tiers"][2]["url"] == "redis://user:***@127.0.0.1:6379/0"
+    assert eff["tiers"][0] == {
+        "kind": "cpu",
+        "bytes": "2GiB",
+        "load_weight": 1.0,
+        "store": "always",
+    }
+    assert eff["tiers"][1]["mode"] == "0600" and eff["tiers"][1]["bytes"] == "16GiB"
+    assert SECRET not in repr(cfg) and "hunter2" not in repr(cfg) and "hunter2" not in str(cfg)
+    assert cfg.redis_url == url  # the tier itself gets the real URL
+    assert effective(HybridKVConfig())["integrity_key"] is None
+
+
+def test_effective_is_a_valid_config(tmp_path):
+    cfg = HybridKVConfig.from_dict(
+        {"tiers": full_tiers(str(tmp_path)), "chunk_tokens": 32, "model_id": "m"}
+    )
+    assert HybridKVConfig.from_dict(effective(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:pw@h:1/0", "redis://:***@h:1/0"),
+        ("rediss://u:pw@h/0", "rediss://u:***@h/0"),
+        ("redis://h/0?password=pw&db=1", "redis://h/0?password=***&db=1"),
+        ("redis://h:6379/0", "redis://h:6379/0"),
+        ("unix:///run/redis.sock", "unix:///run/redis.sock"),
+    ],
+)
+def test_mask_url(url, shown):
+    assert mask_url(url) == shown
+
+
+def test_url_errors_do_not_echo_passwords():
+    msg = _err({"redis_url": "redis://:hunter2@h:bad/0"}, "redis_url")
+    assert "hunter2" not in msg
+    msg = _err(
+        {"tiers": [{"kind": "cpu"}, {"kind": "redis", "url": "http://:hunter2@h"}]}, "tiers[1].url"
+    )
+    assert "hunter2" not in msg
+
+
+@pytest.mark.parametrize("value", ["too-short", 1234567890123456789, b"sixteen-bytes-of-it"])
+def test_integrity_key_never_echoed(value):
+    envs = [{}] + ([{"HYBRIDKV_INTEGRITY_KEY": value}] if isinstance(value, str) else [])
+    for env in envs:
+        raw = {"redis_url": "redis://h/0"} | ({} if env else {"integrity_key": value})
+        msg = _err(raw, "integrity_key", env=env)
+        assert str(value) not in msg
+
+
+# Sizes (property tests) -----------------------------------------------------------------
+
+ALL_UNITS = {
+    "": 1,
+    "B": 1,
+    **{p + s: 1000 ** (i + 1) for i, p in enumerate("KMGT") for s in ("", "B")},
+    **{p + s: 1024 ** (i + 1) for i, p in enumerate("KMGT") for s in ("i", "iB")},
+}
+
+
+@given(
+    n=st.integers(0, 10**9),
+    unit=st.sampled_from(sorted(ALL_UNITS)),
+    space=st.sampled_from(["", " "]),
+)
+def test_size_round_trip_every_unit(n, unit, space):
+    text = f"{n}{space}{unit}"
+    assert parse_size(text) == n * ALL_UNITS[unit]
+    assert parse_size(text.lower()) == parse_size(text.upper()) == n * ALL_UNITS[unit]
+    assert HybridKVConfig(cpu_bytes=text).cpu_bytes == n * ALL_UNITS[unit]
+
+
+@given(n=st.integers(0, 10**6), frac=st.integers(0, 999), unit=st.sampled_from(sorted(ALL_UNITS)))
+def test_fractional_sizes_floor(n, frac, unit):
+    assert parse_size(f"{n}.{frac:03d}{unit}") == (n * 1000 + frac) * ALL_UNITS[unit] // 1000
+
+
+@given(n=st.integers(0, 2**60))
+def test_format_size_round_trip(n):
+    assert parse_size(format_size(n)) == n
+
+
+@given(
+    n=st.integers(0, 10**6),
+    unit=st.sampled_from(sorted(ALL_UNITS)),
+    junk=st.sampled_from(["x", "!", "BB", "-1", "e3", "/s", "Q", "%", ",5", "iBB", " 5"]),
+    where=st.sampled_from(["prefix", "suffix"]),
+)
+def test_garbage_sizes_rejected(n, unit, junk, where):
+    if where == "prefix" and junk in (" 5",):
+        junk = "-"
+    text = f"{junk}{n}{unit}" if where == "prefix" else f"{n}{unit}{junk}"
+    with pytest.raises(ConfigError, match=r"^disk_bytes: "):
+        HybridKVConfig.from_dict({"disk_path": "/tmp", "disk_bytes": text}, env={})
+
+
+@given(value=st.one_of(st.floats(), st.none(), st.lists(st.integers()), st.integers(max_value=-1)))
+def test_non_sizes_rejected(value):
+    with pytest.raises(ConfigError, match=r"^cpu_bytes: "):
+        HybridKVConfig(cpu_bytes=value)
+
+
+@given(text=st.text(alphabet=st.characters(blacklist_categories=["Nd"]), min_size=1))
+def test_sizes_without_digits_rejected(text):
+    with pytest.raises(ConfigError, match=r"^k: "):
+        parse_size(text, "k")
+
+
+@given(mode=st.integers(0, 0o777))
+def test_mode_round_trip(mode):
+    if mode & 0o600 == 0o600:
+        assert parse_mode(f"0{mode:o}") == parse_mode(mode) == mode
+    else:
+        with pytest.raises(ConfigError, match=r"^disk_mode: "):
+            parse_mode(mode)
