@@ -70,7 +70,7 @@ def test_promotion_is_ready_when_every_rank_has_read_it():
     for rank in (0, 1):
         index.apply(rank, WorkerReport(disk=[(k(0), True), (k(1), True)]))
     assert index.promote(k(0), 100) and index.promote(k(1), 100)
-    assert index.take_orders().promote == [k(0), k(1)]
+    assert index.take_orders().promote == [(k(0), "disk"), (k(1), "disk")]
     assert index.promoting(k(0)) and not index.in_cpu(k(0))
     index.apply(0, WorkerReport(promoted=[(0, k(0), True), (0, k(1), True)]))
     assert index.promoting(k(0))

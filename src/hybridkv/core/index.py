@@ -9,7 +9,9 @@ memory is reported at once and its load cannot miss.
 
 The disk tier keeps its own budget and may be shared with other engines, so for it the
 index is a hint built from the workers' reports: a key is on disk once every rank has
-reported it. A hit that needs a disk entry is never reported from the hint: the entry is
+reported it. A shared tier (Redis) is written by other replicas too: for it the hint
+comes from probes the scheduler side makes off its thread (`hint`), and lapses. A hit
+that needs a lower tier's entry is never reported from a hint: the entry is
 first *promoted* (read by every rank in the background, verified, put in CPU memory) and
 the lookup answers "ask again" meanwhile, so the scheduler never waits on a read and a
 damaged file is a miss before the hit is reported, never a failed load.
@@ -32,6 +34,7 @@ serves nothing.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -44,7 +47,7 @@ class IndexStats:
     """Monotonic counters (they only ever grow)."""
 
     cpu_evictions: int = 0
-    promotions: int = 0  # entries read from disk into every rank's memory
+    promotions: int = 0  # entries read from a lower tier into every rank's memory
     failed_promotions: int = 0  # a rank could not read or verify the entry
     lost: int = 0  # entries a rank reported it does not hold after all (a failed store)
     cpu_full: int = 0  # entries not admitted to CPU memory: the rest of it was pinned
@@ -58,7 +61,8 @@ class Orders:
 
     evict: list[bytes] = field(default_factory=list)  # drop from CPU memory only
     delete: list[bytes] = field(default_factory=list)  # drop from every tier
-    promote: list[bytes] = field(default_factory=list)  # read from disk into CPU memory
+    # (key, tier): read from that tier into CPU memory
+    promote: list[tuple[bytes, str]] = field(default_factory=list)
     clear: bool = False  # drop everything this engine stored (before the rest)
 
 
@@ -112,6 +116,9 @@ class StoreIndex:
         self._used = 0
         self._promoting: dict[bytes, set[int]] = {}  # key -> ranks that reported it read
         self._disk: dict[bytes, set[int]] = {}  # key -> ranks that reported it stored
+        self._hints: dict[str, dict[bytes, float]] = {}  # tier -> key -> good until
+        self._sources: dict[bytes, str] = {}  # promotions under way: key -> tier read
+        self.promoted_from: Counter[str] = Counter()  # promotions done, by tier
         self._pins: Counter[bytes] = Counter()
         self.epoch = 0  # advanced by `clear`: reports from an older epoch are stale
         self.orders = Orders()
@@ -137,9 +144,32 @@ class StoreIndex:
         """`key` is a state of a boundary whose states are all in CPU memory."""
         return key in self._boundary_of
 
+    def on_tier(self, key: bytes, tier: str) -> bool:
+        """In a tier below CPU memory, as far as the index knows."""
+        if tier == "disk":
+            return self.on_disk(key)
+        until = self._hints.get(tier, {}).get(key)
+        return until is not None and until > time.monotonic()
+
     def known(self, key: bytes) -> bool:
         """Held somewhere, or on its way: worth planning a hit around."""
-        return key in self._cpu or self.on_disk(key)
+        return (
+            key in self._cpu
+            or self.on_disk(key)
+            or any(self.on_tier(key, tier) for tier in self._hints)
+        )
+
+    def known_in(self, key: bytes, tier: str | None) -> bool:
+        """In CPU memory (or on its way there), or in `tier`."""
+        return key in self._cpu or (tier is not None and self.on_tier(key, tier))
+
+    def hint(self, tier: str, keys: Iterable[bytes], until: float) -> None:
+        """A probe found `keys` in a shared tier: trust it until `until` (monotonic)."""
+        hints = self._hints.setdefault(tier, {})
+        now = time.monotonic()
+        for key in [k for k, t in hints.items() if t <= now]:
+            del hints[key]
+        hints.update(dict.fromkeys(keys, until))
 
     # ---- pins -----------------------------------------------------------------------------
     def pin(self, keys: Iterable[bytes]) -> None:
@@ -299,6 +329,7 @@ class StoreIndex:
         if size is not None:
             self._used -= size
         self._promoting.pop(key, None)
+        self._sources.pop(key, None)
         bid = self._boundary_of.get(key)
         if bid is not None:
             self._forget_boundary(bid)
@@ -326,15 +357,17 @@ class StoreIndex:
         self.orders.delete.append(key)
 
     # ---- promotions -----------------------------------------------------------------------
-    def promote(self, key: bytes, nbytes: int) -> bool:
-        """Have every rank read a disk entry into CPU memory; False if there is no room
-        (the hit then stops short of it). A promotion under way is not started again."""
+    def promote(self, key: bytes, nbytes: int, tier: str = "disk") -> bool:
+        """Have every rank read an entry from `tier` into CPU memory; False if there is
+        no room (the hit then stops short of it). A promotion under way is not started
+        again."""
         if key in self._cpu:
             return True
         if not self.admit(key, nbytes):
             return False
         self._promoting[key] = set()
-        self.orders.promote.append(key)
+        self._sources[key] = tier
+        self.orders.promote.append((key, tier))
         return True
 
     def promoted(self, epoch: int, rank: int, key: bytes, ok: bool) -> None:
@@ -344,15 +377,21 @@ class StoreIndex:
             return
         if not ok:
             self.stats.failed_promotions += 1
+            tier = self._sources.get(key, "disk")
             self._drop_cpu(key)
             self.orders.evict.append(key)
-            self._disk.pop(key, None)  # damaged or gone: never planned around again
+            # Damaged or gone there: never planned around again (a probe may find it anew).
+            if tier == "disk":
+                self._disk.pop(key, None)
+            else:
+                self._hints.get(tier, {}).pop(key, None)
             return
         ranks = self._promoting[key]
         ranks.add(rank)
         if len(ranks) >= self.ranks:
             del self._promoting[key]
             self.stats.promotions += 1
+            self.promoted_from[self._sources.pop(key, "disk")] += 1
 
     # ---- worker reports -------------------------------------------------------------------
     def disk_changed(self, epoch: int, rank: int, key: bytes, present: bool) -> None:
@@ -393,6 +432,8 @@ class StoreIndex:
         self._cpu.clear()
         self._used = 0
         self._promoting.clear()
+        self._sources.clear()
+        self._hints.clear()
         self._boundaries.clear()
         self._boundary_of.clear()
         self._needed_by.clear()

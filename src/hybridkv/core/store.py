@@ -1,32 +1,66 @@
 """The tiers of one worker (one tensor-parallel rank), looked through in order (fastest
 first).
 
-Stores write through to every tier (the disk tier queues its write), so what the CPU tier
-evicts, or loses on a restart, is still found below it. An entry found in a lower tier
-is copied into the tiers above it. What stays in the CPU tier is decided by the scheduler
+Each tier below CPU memory has a store policy: `always` (stores write through to it:
+the disk and Redis tiers queue their writes, so what CPU memory evicts, or loses on a
+restart, is still found below), `on_evict` (written when CPU memory evicts the entry, or
+at once for a store CPU memory had no room for), or `never` (read only: a shared cache
+other replicas fill). An entry promoted from a lower tier goes into CPU memory and the
+`always` tiers above its source. What stays in CPU memory is decided by the scheduler
 side's index (core/index.py); the worker follows its orders.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from hybridkv.core.config import HybridKVConfig
+from hybridkv.core.config import HybridKVConfig, RedisTierConfig
 from hybridkv.core.host_pool import HostPool
 from hybridkv.core.layout import Layout
 from hybridkv.core.planner import Planner
 from hybridkv.core.tiers.base import Tier, TierStats
 from hybridkv.core.tiers.disk import DiskTier
 from hybridkv.core.tiers.memory import MemoryTier
+from hybridkv.core.tiers.redis import RedisTier
+
+
+def redis_tier(
+    config: HybridKVConfig,
+    t: RedisTierConfig,
+    fingerprint: bytes,
+    entry_bytes: Sequence[int] | None = None,
+    alloc: Callable[[int], torch.Tensor] | None = None,
+) -> RedisTier:
+    """The Redis tier a config names (the scheduler side builds one to probe it)."""
+    return RedisTier(
+        t.url,
+        fingerprint,
+        cluster=t.cluster,
+        ttl_s=t.ttl_s,
+        key_prefix=t.key_prefix,
+        timeout_ms=t.timeout_ms,
+        max_entry_bytes=t.max_entry_bytes,
+        entry_bytes=entry_bytes,
+        integrity_key=config.integrity_key,
+        queue_bytes=t.queue_bytes,
+        alloc=alloc,
+    )
 
 
 class TieredStore:
-    def __init__(self, tiers: Sequence[Tier], pool: HostPool | None = None):
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        pool: HostPool | None = None,
+        policies: dict[str, str] | None = None,
+    ):
+        """`policies`: store policy by tier name (default `always`)."""
         if not tiers:
             raise ValueError("at least one tier is needed")
         self.tiers = list(tiers)
+        self.policies = {t.name: (policies or {}).get(t.name, "always") for t in self.tiers[1:]}
         # Host memory of the entries this engine makes (stores, disk reads).
         self.pool = pool or HostPool(pin=False)
 
@@ -43,24 +77,28 @@ class TieredStore:
         directory is named by the layout's fingerprint, which differs between
         tensor-parallel ranks."""
         pool = HostPool(pin)
+        planner = Planner(layout.groups, config.chunk_tokens)
+        entry_bytes = [planner.entry_bytes(g) for g in range(len(layout.groups))]
         tiers: list[Tier] = [MemoryTier(cpu_bytes or config.cpu_bytes)]
-        if config.disk_path is not None:
-            planner = Planner(layout.groups, config.chunk_tokens)
-            tiers.append(
-                DiskTier(
-                    config.disk_path,
-                    layout.fingerprint,
-                    layout.describe(),
-                    config.disk_bytes,
-                    entry_bytes=[planner.entry_bytes(g) for g in range(len(layout.groups))],
-                    file_mode=config.disk_mode,
-                    integrity_key=config.integrity_key,
-                    queue_bytes=config.disk_queue_bytes,
-                    fsync=config.disk_fsync,
-                    alloc=pool.empty,
+        for t in config.tiers[1:]:
+            if t.kind == "disk":
+                tiers.append(
+                    DiskTier(
+                        t.path,
+                        layout.fingerprint,
+                        layout.describe(),
+                        t.bytes,
+                        entry_bytes=entry_bytes,
+                        file_mode=t.mode,
+                        integrity_key=config.integrity_key,
+                        queue_bytes=t.queue_bytes,
+                        fsync=t.fsync,
+                        alloc=pool.empty,
+                    )
                 )
-            )
-        return cls(tiers, pool)
+            elif t.kind == "redis":
+                tiers.append(redis_tier(config, t, layout.fingerprint, entry_bytes, pool.empty))
+        return cls(tiers, pool, {t.kind: t.store for t in config.tiers[1:]})
 
     def contains(self, key: bytes) -> bool:
         return any(t.contains(key) for t in self.tiers)
@@ -95,11 +133,38 @@ class TieredStore:
     def disk(self) -> DiskTier | None:
         return next((t for t in self.tiers if isinstance(t, DiskTier)), None)
 
+    def tier(self, name: str) -> Tier | None:
+        return next((t for t in self.tiers if t.name == name), None)
+
+    def _below(self, *policies: str) -> list[Tier]:
+        return [t for t in self.tiers[1:] if self.policies[t.name] in policies]
+
     def put(self, key: bytes, entry: torch.Tensor, cpu: bool = True) -> bool:
-        """Store in every tier (every tier below the CPU one, without `cpu`); True if
-        any took it."""
-        stored = [t.put(key, entry) for t in self.tiers[0 if cpu else 1 :]]
+        """Store in CPU memory and the `always` tiers; without `cpu` (no room there), in
+        the `on_evict` tiers as well, as if evicted at once. True if any took it."""
+        below = self._below("always") if cpu else self._below("always", "on_evict")
+        stored = [t.put(key, entry) for t in ([self.cpu] if cpu else []) + below]
         return any(stored)
+
+    @property
+    def evicts_below(self) -> bool:
+        """Some tier takes what CPU memory evicts."""
+        return bool(self._below("on_evict"))
+
+    def evicted(self, key: bytes, entry: torch.Tensor) -> None:
+        """CPU memory dropped the entry: the `on_evict` tiers take it now."""
+        for t in self._below("on_evict"):
+            t.put(key, entry)
+
+    def promoted(self, key: bytes, entry: torch.Tensor, source: str) -> bool:
+        """An entry read from tier `source`: into CPU memory and the `always` tiers above
+        it. Whether CPU memory took it."""
+        for t in self.tiers[1:]:
+            if t.name == source:
+                break
+            if self.policies[t.name] == "always":
+                t.put(key, entry)
+        return self.cpu.put(key, entry)
 
     def delete(self, key: bytes) -> None:
         for t in self.tiers:

@@ -15,6 +15,7 @@ Each hook turns an error into a miss or a dropped store, counts it and logs it.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -29,12 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from hybridkv.core.config import ConfigError, HybridKVConfig
+from hybridkv.core.config import ConfigError, HybridKVConfig, effective
 from hybridkv.core.index import StoreIndex
 from hybridkv.core.layout import GroupKind
 from hybridkv.core.planner import Planner
 from hybridkv.core.policy import CheckpointPolicy
-from hybridkv.core.store import TieredStore
+from hybridkv.core.probe import Probe
+from hybridkv.core.store import TieredStore, redis_tier
 from hybridkv.vllm.layout import group_layer_pages, layout_from_vllm
 from hybridkv.vllm.metadata import HybridKVMetadata, HybridKVWorkerMeta
 from hybridkv.vllm.scheduler_side import SchedulerSide
@@ -165,17 +167,30 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             policy = CheckpointPolicy(self.config.checkpoint_policy, self.planner.chunk_tokens)
         ranks = vllm_config.parallel_config.tensor_parallel_size
         if role == KVConnectorRole.SCHEDULER:
-            disk = self.config.disk_path is not None
+            below = self.config.tiers[1:]
             index = StoreIndex(
                 self.config.cpu_bytes,
                 ranks,
-                disk,
+                self.config.disk_path is not None,
                 recurrent=policy is not None,
                 alpha=self.config.eviction_alpha,
             )
+            probe = None
+            if self.config.redis is not None:
+                # Other replicas write to it: ask it (rank 0's entries stand for all).
+                client = redis_tier(self.config, self.config.redis, self.layout.fingerprint)
+                probe = Probe("redis", client.contains_many)
             self.scheduler_side = SchedulerSide(
-                self.layout, self.planner, policy, index, enabled, disk
+                self.layout,
+                self.planner,
+                policy,
+                index,
+                enabled,
+                below=any(t.store != "never" for t in below),
+                tiers=[(t.kind, t.load_weight) for t in below],
+                probe=probe,
             )
+            log.info("hybridkv: settings %s", json.dumps(effective(self.config)))
         else:
             # A CUDA cache copies to and from pinned host memory (full PCIe speed).
             pin = vllm_config.device_config.device_type == "cuda"

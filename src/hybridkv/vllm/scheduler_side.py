@@ -21,7 +21,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,7 @@ from hybridkv.core.keys import extend_chain, group_key, split_group_key
 from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.planner import NULL_BLOCK, EntryCopy, Planner
 from hybridkv.core.policy import CheckpointPolicy, StateAction
+from hybridkv.core.probe import Probe
 from hybridkv.vllm.metadata import (
     HybridKVMetadata,
     KeyedCopy,
@@ -112,16 +113,22 @@ class SchedulerSide:
         policy: CheckpointPolicy | None,
         index: StoreIndex,
         enabled: bool,
-        disk: bool,
+        below: bool,
+        tiers: Sequence[tuple[str, float]] = (),
+        probe: Probe | None = None,
     ):
-        """`disk`: the workers have a disk tier (a store without CPU room still goes
-        there)."""
+        """`below`: the workers have a tier below CPU memory that takes stores (one
+        without CPU room still goes there). `tiers`: the tiers below CPU memory a hit
+        may be promoted from, fastest first, with their load weights. `probe`: asks
+        the shared tier what it holds."""
         self.layout = layout
         self.planner = planner
         self.policy = policy
         self.index = index
         self.enabled = enabled
-        self.disk = disk
+        self.below = below
+        self.tiers = list(tiers)
+        self.probe = probe
         self._fingerprint = layout.fingerprint
         self._reqs: dict[str, _RequestState] = {}
         self._loads: list[RequestLoad] = []
@@ -185,20 +192,23 @@ class SchedulerSide:
             and time.monotonic() - st.waiting_since > PROMOTE_WAIT_SECONDS
         )
 
-        def present(g: int, c: int) -> bool:
-            if c >= len(keys):
-                return False
-            key = group_key(keys[c], g)
-            return key not in excluded and index.known(key)
+        if self.probe is not None and not overdue and self._probe(keys, local_tokens, L):
+            if st.waiting_since is None:
+                st.waiting_since = time.monotonic()
+            self.stats.waits += 1
+            return None  # the shared tier is being asked what it holds
 
         st.hit = None
-        while (boundary := self.planner.find_hit(L, local_tokens, present)) > local_tokens:
+        while True:
+            boundary, tier = self._best_hit(keys, L, local_tokens, excluded)
+            if boundary <= local_tokens:
+                break
             wanted = self._wanted(keys, local_tokens, boundary)
             # The request's pins from now on: nothing the hit needs is evicted to make
             # room for its promotions.
             index.pin(wanted)
             try:
-                blocked = [k for k in wanted if not self._ready_or_coming(k, overdue)]
+                blocked = [k for k in wanted if not self._ready_or_coming(k, overdue, tier)]
             except Exception:
                 index.unpin(wanted)  # a lookup error is a miss: it must leave no pin
                 raise
@@ -223,14 +233,58 @@ class SchedulerSide:
         self._count_lookup(L, keys, local_tokens, 0)
         return 0
 
-    def _ready_or_coming(self, key: bytes, overdue: bool) -> bool:
-        """In CPU memory, or promoted there (started now if need be) while the request
-        may still wait."""
+    def _probe(self, keys: list[bytes], local_tokens: int, num_prompt_tokens: int) -> bool:
+        """Ask the shared tier about the prompt's entries CPU memory does not hold and
+        no fresh answer covers (those on disk too: the load weights choose between the
+        tiers); whether an answer is still out (the lookup then waits for it)."""
+        C = self.planner.chunk_tokens
+        chunks = range(
+            local_tokens // C, min(len(keys), self.planner.max_hit_chunks(num_prompt_tokens))
+        )
+        unknown = [
+            key
+            for c in chunks
+            for g in range(len(self.layout.groups))
+            if not self.index.known_in(key := group_key(keys[c], g), self.probe.name)
+        ]
+        if not unknown:
+            return False
+        held, asking = self.probe.held(unknown)
+        self.index.hint(self.probe.name, held, time.monotonic() + self.probe.ttl_s)
+        return asking
+
+    def _best_hit(
+        self, keys: list[bytes], num_prompt_tokens: int, local_tokens: int, excluded: set[bytes]
+    ) -> tuple[int, str | None]:
+        """The hit to plan, and the tier below CPU memory it is promoted from: of the
+        hits each tier could serve (with what CPU memory holds), the one with the most
+        tokens times the tier's load weight; on a tie, the faster tier."""
+        best, best_tier, best_score = 0, None, 0.0
+        for tier, weight in self.tiers or [(None, 1.0)]:
+
+            def present(g: int, c: int, tier: str | None = tier) -> bool:
+                if c >= len(keys):
+                    return False
+                key = group_key(keys[c], g)
+                return key not in excluded and self.index.known_in(key, tier)
+
+            boundary = self.planner.find_hit(num_prompt_tokens, local_tokens, present)
+            if boundary * weight > best_score:
+                best, best_tier, best_score = boundary, tier, boundary * weight
+        return best, best_tier
+
+    def _ready_or_coming(self, key: bytes, overdue: bool, tier: str | None) -> bool:
+        """In CPU memory, or promoted there from `tier` (started now if need be) while
+        the request may still wait."""
         if self.index.in_cpu(key):
             return True
-        if overdue:
+        if overdue or tier is None:
             return False
-        return self.index.promoting(key) or self.index.promote(key, self._entry_bytes(key))
+        if self.index.promoting(key):
+            return True
+        return self.index.on_tier(key, tier) and self.index.promote(
+            key, self._entry_bytes(key), tier
+        )
 
     def _count_lookup(
         self, num_prompt_tokens: int, keys: list[bytes], local_tokens: int, boundary: int
@@ -505,12 +559,12 @@ class SchedulerSide:
                 if self.index.recurrent:
                     self.index.pin([kc.key])
                     st.owned.append(kc.key)
-            elif self.disk:
+            elif self.below:
                 out.append(KeyedCopy(kc.key, kc.copy, cpu=False))
         for chunk, states in boundaries.items():
             if self._admit_boundary(keys, (chunk + 1) * self.planner.chunk_tokens, states):
                 out += states
-            elif self.disk:
+            elif self.below:
                 out += [KeyedCopy(kc.key, kc.copy, cpu=False) for kc in states]
         return out
 
@@ -596,11 +650,17 @@ class SchedulerSide:
             **self.index.gauges(),
             "tracked_requests": len(self._reqs),
             "tagged_entries": self.pending_tags(),
+            "promoted_from": dict(self.index.promoted_from),
+            "probe_round_trips": self.probe.round_trips if self.probe else 0,
         }
 
     def worker_reports(self, reports: dict[int, WorkerReport]) -> None:
         for rank, report in reports.items():
             self.index.apply(rank, report)
+            if self.probe is not None:
+                for _, key, ok in report.promoted:
+                    if not ok:
+                        self.probe.failed(key)
 
     def loads_failed(self, req_ids: Iterable[str]) -> None:
         """vLLM recomputes these requests: never offer them a hit again, so a fault that

@@ -217,19 +217,28 @@ class WorkerSide:
         self.stats.failed_loads += 1
         self._failed.add(req_id)
 
-    def _promote(self, epoch: int, keys: list[bytes]) -> None:
-        """Read disk entries into CPU memory (a background thread). The disk tier checks
-        each file (size, fingerprint, key, checksum) before handing it out."""
-        disk = self.store.disk
-        try:
-            entries = disk.get_many(keys) if disk is not None else [None] * len(keys)
-        except Exception:
-            log.exception("hybridkv: promoting %d entries failed", len(keys))
-            entries = [None] * len(keys)
+    def _promote(self, epoch: int, items: list[tuple[bytes, str]]) -> None:
+        """Read entries of lower tiers into CPU memory (a background thread), one batch
+        per tier. Disk and Redis check each entry (size, fingerprint, key, checksum)
+        before handing it out."""
+        by_tier: dict[str, list[bytes]] = {}
+        for key, tier in items:
+            by_tier.setdefault(tier, []).append(key)
+        read: list[tuple[bytes, str, torch.Tensor | None]] = []
+        for name, keys in by_tier.items():
+            tier = self.store.tier(name)
+            try:
+                entries = tier.get_many(keys) if tier is not None else [None] * len(keys)
+            except Exception:
+                log.exception("hybridkv: promoting %d entries from %s failed", len(keys), name)
+                entries = [None] * len(keys)
+            read += [(k, name, e) for k, e in zip(keys, entries, strict=True)]
         results = []
         with self._lock:
-            for key, entry in zip(keys, entries, strict=True):
-                ok = entry is not None and epoch == self.epoch and self._put(key, entry, True)
+            for key, source, entry in read:
+                ok = (
+                    entry is not None and epoch == self.epoch and self._promoted(key, entry, source)
+                )
                 results.append((epoch, key, ok))
                 if ok:
                     self.stats.promoted_entries += 1
@@ -309,6 +318,13 @@ class WorkerSide:
             with self._lock:
                 self._report.lost.extend(lost)
 
+    def _promoted(self, key: bytes, entry: torch.Tensor, source: str) -> bool:
+        try:
+            return self.store.promoted(key, entry, source)
+        except Exception:
+            log.exception("hybridkv: keeping a promoted entry failed")
+            return False
+
     def _put(self, key: bytes, entry: torch.Tensor, cpu: bool) -> bool:
         """Whether the CPU tier took the entry (or, for a disk-only store, any tier)."""
         try:
@@ -331,7 +347,10 @@ class WorkerSide:
             ]
         with self._lock:
             for key in orders.evict:
+                entry = self.store.cpu.get(key) if self.store.evicts_below else None
                 self.store.cpu.delete(key)
+                if entry is not None:
+                    self.store.evicted(key, entry)
             for key in orders.delete:
                 self.store.delete(key)
 

@@ -1,0 +1,90 @@
+"""The shared Redis tier through real engines: what one engine process stores, another
+(its own CPU memory, no shared disk) restores with identical output; the load weights
+decide which lower tier serves a hit; a dead server costs hits, never requests or
+correctness. Real `redis-server` processes on loopback (tests/redis_servers.py)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run_engine_proc, tokens
+from redis_servers import redis_server, require_redis
+from test_engine_disk import PROMPT, gen, hit_tokens, same_output
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(autouse=True)
+def _needs_redis():
+    require_redis()
+
+
+def redis_config(url: str, **more) -> dict:
+    return {"cpu_bytes": "64MiB", "redis_url": url, "redis_timeout_ms": 500, **more}
+
+
+@pytest.mark.parametrize("arch", ["qwen3-next", "gemma3"])
+def test_an_engine_restores_what_another_stored_in_redis(arch, model_dirs):
+    prompt = tokens(PROMPT, seed=90)
+    with redis_server() as server:
+        spec = {"model": model_dirs[arch], "extra": redis_config(server.url)}
+        a = run_engine_proc({**spec, "steps": [gen("cold", prompt), gen("native", prompt)]})
+        b = run_engine_proc({**spec, "steps": [gen("remote", prompt), gen("again", prompt)]})
+    assert b["runs"]["remote"]["num_cached_tokens"] == hit_tokens(b["chunk_tokens"])
+    assert same_output(b["runs"]["remote"], a["runs"]["native"])
+    snap = b["snapshot"]
+    assert snap["promoted_from"].get("redis", 0) > 0 and snap["probe_round_trips"] >= 1
+    assert snap["held_entries"] == 0
+
+
+@pytest.mark.parametrize("favoured", ["disk", "redis"])
+def test_load_weights_pick_the_tier_that_serves_and_the_hit_stays_in_cpu(
+    favoured, model_dirs, tmp_path
+):
+    prompt = tokens(PROMPT, seed=91)
+    weights = {"disk": 1.0, "redis": 1.0, favoured: 2.0}
+    with redis_server() as server:
+
+        def extra() -> dict:
+            return {
+                "tiers": [
+                    {"kind": "cpu", "bytes": "64MiB"},
+                    {"kind": "disk", "path": str(tmp_path), "load_weight": weights["disk"]},
+                    {"kind": "redis", "url": server.url, "load_weight": weights["redis"]},
+                ]
+            }
+
+        spec = {"model": model_dirs["qwen3-next"], "extra": extra()}
+        run_engine_proc({**spec, "steps": [gen("cold", prompt), {"op": "flush"}]})
+        b = run_engine_proc(
+            {**spec, "steps": [gen("restored", prompt), gen("from_cpu", prompt, fresh=False)]}
+        )
+    hit = hit_tokens(b["chunk_tokens"])
+    assert b["runs"]["restored"]["num_cached_tokens"] == hit
+    promoted = b["snapshot"]["promoted_from"]
+    assert set(promoted) == {favoured}, promoted
+    # The next request hits (vLLM's own cache or hybridkv's CPU memory), with no new reads.
+    assert b["runs"]["from_cpu"]["num_cached_tokens"] >= hit
+    assert same_output(b["runs"]["from_cpu"], b["runs"]["restored"])
+
+
+def test_a_dead_redis_costs_hits_not_requests(model_dirs):
+    prompt, other = tokens(PROMPT, seed=92), tokens(PROMPT, seed=93)
+    with redis_server() as server:
+        spec = {"model": model_dirs["qwen3-next"], "extra": redis_config(server.url)}
+        a = run_engine_proc({**spec, "steps": [gen("cold", prompt), gen("native", prompt)]})
+        server.kill()
+        b = run_engine_proc(
+            {**spec, "steps": [gen("no_redis", prompt), gen("other", other), gen("mine", other)]}
+        )
+        server.start()  # back (empty): the tier comes up again and serves what is stored
+        c = run_engine_proc(
+            {**spec, "steps": [gen("cold", other), gen("native", other), {"op": "flush"}]}
+        )
+        d = run_engine_proc({**spec, "steps": [gen("remote", other)]})
+    runs = b["runs"]
+    assert runs["no_redis"]["num_cached_tokens"] == 0
+    assert runs["no_redis"]["token_ids"] == a["runs"]["cold"]["token_ids"]
+    # Its own CPU memory still works while Redis is down.
+    assert runs["mine"]["num_cached_tokens"] >= hit_tokens(b["chunk_tokens"])
+    assert d["runs"]["remote"]["num_cached_tokens"] == hit_tokens(d["chunk_tokens"])
+    assert same_output(d["runs"]["remote"], c["runs"]["native"])

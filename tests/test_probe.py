@@ -1,0 +1,60 @@
+"""The shared-tier probe (core/probe.py): asks off the caller's thread, one round trip
+per batch, answers stay fresh for a while, a failed read or a raising tier is an
+absence."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from hybridkv.core.probe import Probe
+
+
+def wait_answered(probe: Probe, keys: list[bytes]) -> list[bytes]:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        held, asking = probe.held(keys)
+        if not asking:
+            return held
+        time.sleep(0.005)
+    raise AssertionError("the probe never answered")
+
+
+def test_asks_in_the_background_once_and_answers_from_memory_after():
+    stored = {b"a", b"c"}
+    gate = threading.Event()
+    calls: list[list[bytes]] = []
+
+    def contains_many(keys):
+        gate.wait(5)
+        calls.append(list(keys))
+        return [k in stored for k in keys]
+
+    probe = Probe("redis", contains_many, ttl_s=60)
+    held, asking = probe.held([b"a", b"b", b"c"])
+    assert (held, asking) == ([], True)  # the caller is not held up by the round trip
+    gate.set()
+    assert wait_answered(probe, [b"a", b"b", b"c"]) == [b"a", b"c"]
+    assert probe.held([b"b", b"c"]) == ([b"c"], False)
+    assert calls == [[b"a", b"b", b"c"]] and probe.round_trips == 1
+
+
+def test_answers_lapse_and_failed_reads_count_as_absent():
+    stored = {b"a"}
+    probe = Probe("redis", lambda keys: [k in stored for k in keys], ttl_s=0.05)
+    assert wait_answered(probe, [b"a"]) == [b"a"]
+    probe.failed(b"a")
+    assert probe.held([b"a"]) == ([], False)
+    time.sleep(0.06)
+    assert probe.held([b"a"])[1]  # lapsed: asked again
+    assert wait_answered(probe, [b"a"]) == [b"a"]
+
+
+def test_a_raising_tier_is_an_absence_not_an_error():
+    def broken(keys):
+        raise ConnectionError("down")
+
+    probe = Probe("redis", broken, ttl_s=60)
+    assert wait_answered(probe, [b"a"]) == []
+    assert probe.errors == 1
+    probe.close()
