@@ -15,7 +15,7 @@ rounds; p50 and the max are printed too. Each prompt is one token past a chunk b
 so a restored request computes a single token: what the decoder waits for is the read
 and the load, not the restorers' own prefill.
 
-    .venv/bin/python bench/stall.py                 # 8 x 16640 tokens (~280 MiB)
+    .venv/bin/python bench/stall.py                 # 8 x 15360 tokens (~265 MiB)
     .venv/bin/python bench/stall.py --prefixes 2 --prefix-tokens 3840 --rounds 1  # quick
 """
 
@@ -77,7 +77,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="small")
     p.add_argument("--prefixes", type=int, default=8)
-    p.add_argument("--prefix-tokens", type=int, default=16640, help="a chunk-size multiple")
+    p.add_argument("--prefix-tokens", type=int, default=15360, help="a chunk-size multiple")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--alone-steps", type=int, default=120)
     p.add_argument("--disk-path", help="disk tier directory (default: a new temporary one)")
