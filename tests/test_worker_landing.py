@@ -136,3 +136,21 @@ def test_stores_land_in_order(worker):
     held[0].land()
     ws.report()
     assert ws.store.cpu.contains(b"a") and ws.store.cpu.contains(b"b")
+
+
+def test_a_failed_copy_drops_its_stores_once_and_reports_them_lost(worker):
+    ws, _, held = worker
+    ws.end_step(store_meta((b"a", 1)))
+
+    def broken() -> None:
+        raise RuntimeError("device error")
+
+    held[0].wait = broken
+    held[0].land()
+    report = ws.report()
+    assert report.lost == [b"a"] and not ws._landing
+    assert not ws.store.cpu.contains(b"a") and ws.stats.failed_stores == 1
+    ws.end_step(store_meta((b"b", 2)))
+    held[1].land()
+    ws.report()
+    assert ws.store.cpu.contains(b"b")  # later stores land as before

@@ -135,6 +135,10 @@ class SchedulerSide:
         self._load_pins: list[bytes] = []  # released once the loads are sent
         self._manager: KVCacheManager | None = None
         self._state_groups = [g for g, s in enumerate(layout.groups) if s.kind is GroupKind.STATE]
+        self._attention_groups = [
+            g for g, s in enumerate(layout.groups) if s.kind is not GroupKind.STATE
+        ]
+        self._full_groups = [g for g, s in enumerate(layout.groups) if s.kind is GroupKind.FULL]
         self._tags = itertools.count()
         self._tagged: set[str] = set()  # requests with tagged stores
         # Tagged stores of finished requests, settled at finish: (index epoch, names).
@@ -294,7 +298,7 @@ class SchedulerSide:
         served = max(boundary, local_tokens)
         C = self.planner.chunk_tokens
         cap = self.planner.max_hit_chunks(num_prompt_tokens) * C
-        attention = [g for g, s in enumerate(self.layout.groups) if s.kind is GroupKind.FULL]
+        attention = self._full_groups
         reach = served // C
         while attention and reach < len(keys) and reach * C < cap:
             if not all(self.index.known(group_key(keys[reach], g)) for g in attention):
@@ -572,7 +576,7 @@ class SchedulerSide:
         """Count a boundary's states into CPU memory, with what a hit there also reads and
         what keeping it costs beyond the chain's previous boundary in CPU memory."""
         C = self.planner.chunk_tokens
-        attention = [g for g in range(len(self.layout.groups)) if g not in self._state_groups]
+        attention = self._attention_groups
         needs = [
             group_key(keys[c], g)
             for g in attention

@@ -294,9 +294,19 @@ class WorkerSide:
     def _land(self, wait: bool = False) -> None:
         """Hand the stores whose bytes are complete to the tiers, in the order they were
         made (`wait`: all of them, waiting for the copies still running)."""
-        while self._landing and (wait or self._landing[0].landing.done()):
-            pending = self._landing.pop(0)
-            pending.landing.wait()
+        while self._landing:
+            pending = self._landing[0]
+            try:
+                if not (wait or pending.landing.done()):
+                    return
+                pending.landing.wait()
+            except Exception:
+                # A failed copy (a device error): its stores are dropped, not retried at
+                # every hook, and the index learns the CPU entries are not held.
+                log.exception("hybridkv: a store's copy failed; its entries are dropped")
+                self.stats.failed_stores += 1
+                pending.items = [(key, None, cpu) for key, _, cpu in pending.items]
+            self._landing.pop(0)
             self._store(pending.items)
 
     @property
