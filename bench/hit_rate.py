@@ -1,6 +1,7 @@
 """Trace-replay hit-rate benchmark (issue 12): hybridkv vs vLLM's own OffloadingConnector
-vs no connector at equal CPU budgets. The logic is `hybridkv.bench_hit_rate` (see its
-docstring for what is measured); results go to bench/results/hit_rate-<trace>.{json,png}.
+vs no connector at equal CPU budgets. The logic is `hybridkv.benchmarks.hit_rate` (see its
+docstring for what is measured; `hybridkv bench hit-rate` runs the same); results go to
+bench/results/hit_rate-<trace>.{json,png}.
 
     .venv/bin/python bench/hit_rate.py                       # chat, agentic, docqa; 4..64 MiB
     .venv/bin/python bench/hit_rate.py --quick               # small chat trace, 2 budgets
@@ -9,11 +10,33 @@ docstring for what is measured); results go to bench/results/hit_rate-<trace>.{j
 
 from __future__ import annotations
 
-import sys
+import argparse
+from pathlib import Path
 
 from common import RESULTS
 
-from hybridkv.bench_hit_rate import main
+from hybridkv.benchmarks.hit_rate import HitRateSettings, run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--traces", nargs="+", help="trace specs (hybridkv.core.traces.make_trace)")
+    p.add_argument("--systems", nargs="+", help="hybridkv, vllm-offload, none, hybridkv@REV")
+    p.add_argument("--budgets-mib", nargs="+", type=float)
+    p.add_argument("--arch")
+    p.add_argument("--size")
+    p.add_argument("--model", help="model directory (default: made under $HYBRIDKV_HOME)")
+    p.add_argument("--kv-cache-mib", type=float, help="the engine's own KV cache")
+    p.add_argument("--max-tokens", type=int, help="output tokens per request (cap)")
+    p.add_argument("--limit", type=int, help="replay only the first N requests of each trace")
+    p.add_argument("--hybridkv-extra", help="JSON merged into hybridkv's extra config")
+    p.add_argument("--offload-extra", help="JSON merged into vLLM's offloading extra config")
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--log", help="append every engine process's output to this file")
+    p.add_argument("--quick", action="store_true", help="small chat trace, 2 budgets (~2 min)")
+    args = vars(p.parse_args())
+    run(HitRateSettings.make(**args))
+
 
 if __name__ == "__main__":
-    sys.exit(main(results=RESULTS))
+    main()

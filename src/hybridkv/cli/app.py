@@ -14,6 +14,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # docstrings wrap as paragraphs, `code` shows as code
 )
 bench = typer.Typer(
     help="Run a workload with and without hybridkv; write JSON and a PNG plot.",

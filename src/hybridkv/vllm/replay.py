@@ -1,5 +1,5 @@
 """Replay a trace against one vLLM engine in this process, for the hit-rate benchmark
-(`hybridkv.bench_hit_rate`, which starts one such process per system and budget).
+(`hybridkv.benchmarks.hit_rate`, which starts one such process per system and budget).
 
     python -m hybridkv.vllm.replay < spec.json   ->  a line `RESULT {...}`
 

@@ -16,6 +16,7 @@ admissions/refusals/evictions per group; vLLM: stores/evictions/loads per group)
 the trace's `reuse_bound`: what an unbounded prefix cache of the engine's block size
 could serve. Writes `<out>/hit_rate-<trace>.json` and `.png`.
 
+    hybridkv bench hit-rate --quick                          # ~2 min smoke run
     python bench/hit_rate.py                                 # chat, agentic, docqa
     python bench/hit_rate.py --traces agentic --budgets-mib 8 32
     python bench/hit_rate.py --traces mooncake:trace.jsonl:64 sharegpt:sg.json
@@ -27,17 +28,16 @@ could serve. Writes `<out>/hit_rate-<trace>.json` and `.png`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import subprocess
-import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridkv.benchmarks.figures import MIB, engine_process, percentile, write_result
 from hybridkv.core.traces import Trace, make_trace, with_max_tokens
 
 SYSTEMS = ("hybridkv", "vllm-offload", "none")
@@ -45,15 +45,6 @@ QUICK_TRACE = (
     "chat:sessions=4,turns=3,system_prompts=2,system_tokens=512,user_tokens=160,"
     "answer_tokens=96,concurrency=3"
 )
-MIB = 1 << 20
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
@@ -72,8 +63,8 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         "connector_hit_rate": sum(r[3] for r in rows) / prompt,
         "requests_with_hit": sum(1 for r in rows if r[1] > 0),
         "requests_with_connector_hit": sum(1 for r in rows if r[3] > 0),
-        "ttft_p50_s": _percentile(times, 0.5),
-        "ttft_p90_s": _percentile(times, 0.9),
+        "ttft_p50_s": percentile(times, 0.5),
+        "ttft_p90_s": percentile(times, 0.9),
         "stored_bytes": conn.get("stored_bytes"),
         "loaded_bytes": conn.get("loaded_bytes"),
         "replay_s": run["replay_s"],
@@ -81,9 +72,16 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # The measuring instrument: a snapshot of another revision runs with today's copies.
-INSTRUMENT = ("bench_hit_rate.py", "core/traces.py", "vllm/replay.py", "vllm/offloading_cpu.py")
+INSTRUMENT = (
+    "benchmarks/__init__.py",
+    "benchmarks/figures.py",
+    "benchmarks/hit_rate.py",
+    "core/traces.py",
+    "vllm/replay.py",
+    "vllm/offloading_cpu.py",
+)
 
 
 def snapshot(rev: str, tmp: Path) -> tuple[Path, str]:
@@ -110,7 +108,9 @@ def snapshot(rev: str, tmp: Path) -> tuple[Path, str]:
             t.extractall(out, filter="data")
         here = REPO / "src" / "hybridkv"
         for rel in INSTRUMENT:
-            shutil.copy(here / rel, out / "src" / "hybridkv" / rel)
+            dest = out / "src" / "hybridkv" / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(here / rel, dest)
         for ext in here.glob("*.so"):
             shutil.copy(ext, out / "src" / "hybridkv" / ext.name)
     return out / "src", commit
@@ -133,31 +133,6 @@ def source_of(rev: str | None) -> dict[str, Any]:
     }
 
 
-def replay(
-    spec: dict[str, Any], log: Path | None, pythonpath: Path | None = None
-) -> dict[str, Any]:
-    """One engine process; its output goes to `log` (the last lines on failure)."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "hybridkv.vllm.replay"],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=pythonpath or None,
-    )
-    out = proc.stdout + proc.stderr
-    if log is not None:
-        with open(log, "a") as f:
-            f.write(f"==== {spec['system']} {spec['budget']}\n{out}\n")
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"replay of {spec['system']} failed:\n{out[-4000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
-
-
 def block_tokens(arch: str, size: str) -> int:
     """Tokens per vLLM block (the hit granularity) of this repo's models with prefix
     caching on, as measured on the CPU build: vLLM raises the attention block so a page
@@ -165,7 +140,7 @@ def block_tokens(arch: str, size: str) -> int:
     return {("qwen3-next", "tiny"): 256, ("qwen3-next", "small"): 640}.get((arch, size), 16)
 
 
-def run_trace(trace: Trace, args: argparse.Namespace, model: str, tmp: Path) -> dict[str, Any]:
+def run_trace(trace: Trace, args: HitRateSettings, model: str, tmp: Path) -> dict[str, Any]:
     path = tmp / f"{trace.name}.jsonl"
     trace.save(path)
     max_len = trace.max_prompt() + max(r.max_tokens for r in trace) + 16
@@ -189,7 +164,9 @@ def run_trace(trace: Trace, args: argparse.Namespace, model: str, tmp: Path) -> 
         budgets = [0] if system == "none" else [int(b * MIB) for b in args.budgets_mib]
         for budget in budgets:
             t = time.perf_counter()
-            run = replay({**base, "system": system, "budget": budget}, log, pythonpath)
+            spec = {**base, "system": system, "budget": budget}
+            what = f"replay of {system} {budget}"
+            run = engine_process("hybridkv.vllm.replay", spec, what, log, pythonpath)
             fig = summarize(run)
             print(
                 f"  {trace.name:10} {system:18} {budget / MIB:6.0f} MiB"
@@ -239,16 +216,8 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], path: Path) -> bool:
-    """Token hit rate against budget per system; False if matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(6, 4))
+def draw(result: dict[str, Any], ax: Any) -> None:
+    """Token hit rate against budget per system, and the connector's share of it."""
     figures = [r["figures"] for r in result["runs"]]
     budgets = sorted({f["budget_bytes"] for f in figures if f["system"] != "none"})
     for system in dict.fromkeys(f["system"] for f in figures):
@@ -287,74 +256,54 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         f" engine KV {result['kv_cache_bytes'] / MIB:.0f} MiB"
     )
     ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
 
 
-def _system(name: str) -> str:
-    if name in SYSTEMS or (name.startswith("hybridkv@") and len(name) > 9):
-        return name
-    raise argparse.ArgumentTypeError(f"expected one of {SYSTEMS} or hybridkv@REV, got {name!r}")
+@dataclass
+class HitRateSettings:
+    """One hit-rate run: which traces, systems and budgets, on which engine."""
+
+    traces: list[str] = field(default_factory=lambda: ["chat", "agentic", "docqa"])
+    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+    budgets_mib: list[float] = field(default_factory=lambda: [4, 8, 16, 32, 64])
+    arch: str = "qwen3-next"
+    size: str = "tiny"
+    model: str | None = None
+    # The engine's own KV cache: 4 MiB is about 1.7 times the largest default request's
+    # blocks on qwen3-next/tiny, so vLLM's prefix cache cannot keep conversations.
+    kv_cache_mib: float = 4
+    max_tokens: int = 1
+    limit: int | None = None
+    hybridkv_extra: str = "{}"
+    offload_extra: str = "{}"
+    out_dir: Path = Path("bench/results")
+    log: str | None = None
+    quick: bool = False
+
+    def __post_init__(self) -> None:
+        for name in self.systems:
+            if not (name in SYSTEMS or (name.startswith("hybridkv@") and len(name) > 9)):
+                raise ValueError(f"systems: expected {SYSTEMS} or hybridkv@REV, got {name!r}")
+
+    @classmethod
+    def make(cls, quick: bool = False, **given: Any) -> HitRateSettings:
+        """Settings from the options given (None: not given); `quick` changes only the
+        defaults: a small chat trace, 2 budgets, a 2 MiB engine KV cache (~2 min)."""
+        given = {k: v for k, v in given.items() if v is not None}
+        if quick:
+            given = {"traces": [QUICK_TRACE], "budgets_mib": [2, 8], "kv_cache_mib": 2, **given}
+        return cls(quick=quick, **given)
 
 
-def parser(results: Path) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--traces",
-        nargs="+",
-        default=["chat", "agentic", "docqa"],
-        help="trace specs (hybridkv.core.traces.make_trace)",
-    )
-    p.add_argument(
-        "--systems",
-        nargs="+",
-        default=list(SYSTEMS),
-        type=_system,
-        help="hybridkv, vllm-offload, none; hybridkv@REV: hybridkv's source at git revision REV",
-    )
-    p.add_argument("--budgets-mib", nargs="+", type=float, default=[4, 8, 16, 32, 64])
-    p.add_argument("--arch", default="qwen3-next")
-    p.add_argument("--size", default="tiny")
-    p.add_argument("--model", help="model directory (default: made under $HYBRIDKV_HOME)")
-    p.add_argument(
-        "--kv-cache-mib",
-        type=float,
-        default=4,
-        help="the engine's own KV cache (4 MiB: about 1.7 times the largest default request's"
-        " blocks on qwen3-next/tiny)",
-    )
-    p.add_argument("--max-tokens", type=int, default=1, help="output tokens per request (cap)")
-    p.add_argument("--limit", type=int, help="replay only the first N requests of each trace")
-    p.add_argument(
-        "--hybridkv-extra", default="{}", help="JSON merged into hybridkv's extra config"
-    )
-    p.add_argument(
-        "--offload-extra", default="{}", help="JSON merged into vLLM's offloading extra config"
-    )
-    p.add_argument("--out-dir", type=Path, default=results)
-    p.add_argument("--log", help="append every engine process's output to this file")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="a small chat trace, 2 budgets, 2 MiB engine KV (~2 min)",
-    )
-    return p
-
-
-def main(argv: list[str] | None = None, results: Path | None = None) -> int:
-    args = parser(results or Path("bench/results")).parse_args(argv)
-    if args.quick:
-        args.traces, args.budgets_mib, args.kv_cache_mib = [QUICK_TRACE], [2, 8], 2
+def run(settings: HitRateSettings) -> list[Path]:
+    """Replay every trace; the JSON files written (a PNG beside each)."""
     from hybridkv.models import default_model_dir, make_model, model_config
 
+    args = settings
     model = str(
         make_model(args.arch, args.model or default_model_dir(args.arch, args.size), args.size)
     )
     vocab = model_config(args.arch, args.size)["vocab_size"]
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
     with tempfile.TemporaryDirectory(prefix="hybridkv-hit-rate-") as tmp:
         for spec in args.traces:
             trace = with_max_tokens(make_trace(spec, vocab=vocab), args.max_tokens)
@@ -368,12 +317,9 @@ def main(argv: list[str] | None = None, results: Path | None = None) -> int:
             result = run_trace(trace, args, model, Path(tmp))
             result["wall_s"] = time.perf_counter() - t
             out = args.out_dir / f"hit_rate-{name}.json"
-            out.write_text(json.dumps(result, indent=1))
-            png = out.with_suffix(".png")
+            png = write_result(result, out, lambda ax, r=result: draw(r, ax))
             print(table(result))
-            print(
-                f"wrote {out}"
-                + (f" and {png}" if plot(result, png) else " (no matplotlib: no plot)")
-            )
+            print(f"wrote {out} and {png}")
             print(f"{name}: {result['wall_s']:.0f} s", flush=True)
-    return 0
+            written.append(out)
+    return written

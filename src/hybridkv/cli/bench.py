@@ -1,0 +1,160 @@
+"""`hybridkv bench ttft | restart | hit-rate`: the package's benchmarks from the command
+line. Each runs its engines in child processes and writes JSON and a PNG plot; the
+figures in docs/benchmarks.md come from these (bench/*.py call them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hybridkv.cli.app import bench, size_option
+from hybridkv.cli.demo import Arch, Size
+
+Out = Annotated[Path, typer.Option(help="JSON result (the PNG plot is written beside it)")]
+ArchOpt = Annotated[Arch, typer.Option(help="model architecture")]
+Repeats = Annotated[int, typer.Option(help="prompts timed (p50/p90 over them)")]
+Quick = Annotated[bool, typer.Option(help="tiny model, short prompts, 2 repeats (~1 min)")]
+
+
+def _ttft_settings(
+    arch: Arch,
+    size: Size,
+    model: str | None,
+    prompt_tokens: int,
+    repeats: int,
+    cpu_bytes: str,
+    kv_cache_bytes: str,
+    tp: int,
+    quick: bool,
+):
+    from hybridkv.benchmarks.ttft import TtftSettings
+
+    size_option(cpu_bytes, "--cpu-bytes")
+    s = TtftSettings(
+        arch=arch.value,
+        size=size.value,
+        model=model,
+        prompt_tokens=prompt_tokens,
+        repeats=repeats,
+        cpu_bytes=cpu_bytes,
+        kv_cache_bytes=size_option(kv_cache_bytes, "--kv-cache-bytes"),
+        tp=tp,
+    )
+    if quick:
+        s.size, s.prompt_tokens, s.repeats, s.kv_cache_bytes = "tiny", 1024, 2, 256 << 20
+    return s
+
+
+@bench.command()
+def ttft(
+    arch: ArchOpt = Arch.qwen3_next,
+    size: Annotated[Size, typer.Option(help="model size")] = Size.small,
+    model: Annotated[str | None, typer.Option(help="model directory (default: built)")] = None,
+    prompt_tokens: Annotated[int, typer.Option(help="prompt length")] = 8192,
+    repeats: Repeats = 3,
+    cpu_bytes: Annotated[str, typer.Option(help="hybridkv's CPU memory")] = "4GiB",
+    kv_cache_bytes: Annotated[str, typer.Option(help="vLLM's own KV cache")] = "2GiB",
+    tp: Annotated[int, typer.Option(help="tensor-parallel ranks (`mp` executor)")] = 1,
+    restart: Annotated[bool, typer.Option(help="also time a restart from disk")] = False,
+    quick: Quick = False,
+    json: Out = Path("hybridkv-bench/ttft.json"),
+) -> None:
+    """TTFT cold, with vLLM's own prefix hit, and restored by hybridkv from CPU memory
+    and from disk, in one engine; p50/p90, tokens hit, bytes loaded."""
+    from hybridkv.benchmarks.ttft import first_modes, run
+
+    s = _ttft_settings(
+        arch, size, model, prompt_tokens, repeats, cpu_bytes, kv_cache_bytes, tp, quick
+    )
+    run(s, first_modes(s.tp), restart, json)
+
+
+@bench.command("restart")
+def restart_cmd(
+    arch: ArchOpt = Arch.qwen3_next,
+    size: Annotated[Size, typer.Option(help="model size")] = Size.small,
+    model: Annotated[str | None, typer.Option(help="model directory (default: built)")] = None,
+    prompt_tokens: Annotated[int, typer.Option(help="prompt length")] = 8192,
+    repeats: Repeats = 3,
+    cpu_bytes: Annotated[str, typer.Option(help="hybridkv's CPU memory")] = "4GiB",
+    kv_cache_bytes: Annotated[str, typer.Option(help="vLLM's own KV cache")] = "2GiB",
+    tp: Annotated[int, typer.Option(help="tensor-parallel ranks (`mp` executor)")] = 1,
+    quick: Quick = False,
+    json: Out = Path("hybridkv-bench/restart.json"),
+) -> None:
+    """One engine computes the prompts (hybridkv writes them to disk); a new engine
+    process restores them from that disk: TTFT against its own prefix hit and against
+    computing them from scratch."""
+    from hybridkv.benchmarks.ttft import run
+
+    s = _ttft_settings(
+        arch, size, model, prompt_tokens, repeats, cpu_bytes, kv_cache_bytes, tp, quick
+    )
+    run(s, ("cold",), True, json)
+
+
+@bench.command("hit-rate")
+def hit_rate(
+    traces: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--trace",
+            help="trace spec, repeatable: chat, agentic, docqa, "
+            "mooncake:FILE[:N], sharegpt:FILE (default: chat, agentic, docqa)",
+        ),
+    ] = None,
+    systems: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--system",
+            help="repeatable: hybridkv, vllm-offload (vLLM's own "
+            "OffloadingConnector), none, hybridkv@REV (default: the first three)",
+        ),
+    ] = None,
+    budgets_mib: Annotated[
+        list[float] | None,
+        typer.Option("--budget-mib", help="CPU budget, repeatable (default 4 8 16 32 64)"),
+    ] = None,
+    arch: ArchOpt = Arch.qwen3_next,
+    size: Annotated[Size, typer.Option(help="model size")] = Size.tiny,
+    model: Annotated[str | None, typer.Option(help="model directory (default: built)")] = None,
+    kv_cache_mib: Annotated[
+        float | None, typer.Option(help="the engine's own KV cache [default: 4, quick: 2]")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(help="output tokens per request")] = 1,
+    limit: Annotated[int | None, typer.Option(help="first N requests of each trace")] = None,
+    hybridkv_extra: Annotated[str, typer.Option(help="JSON merged into hybridkv's config")] = "{}",
+    quick: Annotated[
+        bool, typer.Option(help="defaults for a smoke run: a small chat trace, 2 and 8 MiB")
+    ] = False,
+    out_dir: Annotated[Path, typer.Option(help="where hit_rate-<trace>.json/.png go")] = Path(
+        "hybridkv-bench"
+    ),
+    log: Annotated[str | None, typer.Option(help="append engine output to this file")] = None,
+) -> None:
+    """Replay a trace against hybridkv, vLLM's own OffloadingConnector and no connector
+    at equal CPU budgets: token hit rate (vLLM's prefix cache vs the connector), TTFT
+    p50/p90, bytes stored and loaded."""
+    from hybridkv.benchmarks.hit_rate import HitRateSettings, run
+
+    try:
+        settings = HitRateSettings.make(
+            quick,
+            traces=traces,
+            systems=systems,
+            budgets_mib=budgets_mib,
+            arch=arch.value,
+            size=size.value,
+            model=model,
+            kv_cache_mib=kv_cache_mib,
+            max_tokens=max_tokens,
+            limit=limit,
+            hybridkv_extra=hybridkv_extra,
+            out_dir=out_dir,
+            log=log,
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--system") from None
+    run(settings)

@@ -1,0 +1,101 @@
+"""`hybridkv bench ttft | restart | hit-rate --quick` end to end on the tiny model, through
+the installed script: each writes a JSON whose figures agree with what must have
+happened (restores hit what vLLM's own prefix cache hits, cold runs hit nothing), and a
+PNG plot beside it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HYBRIDKV = str(Path(sys.executable).with_name("hybridkv"))
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [HYBRIDKV, "bench", *args], capture_output=True, text=True, env=dict(os.environ)
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def check_png(path: Path) -> None:
+    """A real PNG of the figure's size (6.4 x 4 in at 110 dpi), not an empty file."""
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert (width, height) == (704, 440)
+
+
+def test_bench_ttft_quick_restores_from_cpu_disk_and_after_a_restart(model_dirs, tmp_path):
+    out = tmp_path / "ttft.json"
+    model = model_dirs["qwen3-next"]
+    proc = bench("ttft", "--quick", "--restart", "--model", model, "--json", str(out))
+    result = json.loads(out.read_text())
+    figures = result["figures"]
+    assert list(figures) == [
+        "cold", "native", "cpu", "disk", "restart", "restart native", "recompute"
+    ]  # fmt: skip
+    native = figures["native"]["hit_tokens"]
+    assert native > 0
+    assert figures["cold"]["hit_tokens"] == figures["recompute"]["hit_tokens"] == 0
+    for mode in ("cpu", "disk", "restart"):
+        assert figures[mode]["hit_tokens"] == native
+        assert figures[mode]["loaded_bytes"] > 0
+        assert figures[mode]["ttft_p90_s"] >= figures[mode]["ttft_p50_s"] > 0
+    # vLLM's own hits: hybridkv loads nothing for them.
+    assert figures["native"]["loaded_bytes"] == figures["restart native"]["loaded_bytes"] == 0
+    assert figures["native"]["x_native"] == figures["restart native"]["x_native"] == 1.0
+    # The restarted engine held nothing in memory: its first sight of every prompt came
+    # from the disk the first engine wrote.
+    assert all(h == native for h in result["phases"]["restart"]["modes"]["restart"]["hit"])
+    assert "restart: hybridkv disk" in proc.stdout
+    check_png(out.with_suffix(".png"))
+
+
+def test_bench_hit_rate_quick(model_dirs, tmp_path):
+    proc = bench(
+        "hit-rate",
+        "--quick",
+        "--model",
+        model_dirs["qwen3-next"],
+        "--system",
+        "hybridkv",
+        "--system",
+        "none",
+        "--budget-mib",
+        "8",
+        "--out-dir",
+        str(tmp_path),
+    )
+    result = json.loads((tmp_path / "hit_rate-quick.json").read_text())
+    figures = {r["figures"]["system"]: r["figures"] for r in result["runs"]}
+    assert set(figures) == {"hybridkv", "none"}
+    assert figures["none"]["connector_hit_rate"] == 0
+    # The engine's own cache is too small to keep the chat's turns: hybridkv serves more.
+    assert figures["hybridkv"]["connector_hit_rate"] > 0
+    assert figures["hybridkv"]["token_hit_rate"] > figures["none"]["token_hit_rate"]
+    assert figures["hybridkv"]["loaded_bytes"] > 0
+    assert "hit_rate-quick.png" in proc.stdout
+    check_png(tmp_path / "hit_rate-quick.png")
+
+
+def test_bench_rejects_an_unknown_system(tmp_path):
+    proc = subprocess.run(
+        [HYBRIDKV, "bench", "hit-rate", "--system", "lmcache", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "lmcache" in proc.stderr and "--system" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
