@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
 _NAME_CHARS = 2 * (KEY_BYTES + 2)  # hex of a group key
-_LAYOUT_JSON = "layout.json"
+LAYOUT_JSON = "layout.json"
 _LAYOUT_JSON_LIMIT = 1 << 20
 # A temporary file this old is a leftover whatever process wrote it.
 STALE_TMP_SECONDS = 3600.0
@@ -69,6 +69,61 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def scan_layout_dir(layout_dir: str | os.PathLike) -> list[os.DirEntry]:
+    """Every name in a layout directory and in its fan-out directories (two-character
+    subdirectories, never entered through a link): what a rescan and `hybridkv inspect`
+    / `gc` look at. A missing layout directory is empty (removed under us); an
+    unreadable fan-out directory is passed by."""
+    try:
+        top = list(os.scandir(layout_dir))
+    except FileNotFoundError:
+        return []
+    names = [e for e in top if not e.is_dir(follow_symlinks=False)]
+    for sub in top:
+        if sub.is_dir(follow_symlinks=False) and len(sub.name) == 2:
+            try:
+                names.extend(os.scandir(sub.path))
+            except OSError:
+                continue
+    return names
+
+
+def entry_key(name: str) -> bytes | None:
+    """The key an entry file's name holds (`<hex of chunk key and group>.kv`), or None
+    for any other name (temporary files, layout.json, strays)."""
+    if not name.endswith(_SUFFIX) or len(name) != _NAME_CHARS + len(_SUFFIX):
+        return None
+    try:
+        return bytes.fromhex(name[:_NAME_CHARS])
+    except ValueError:
+        return None
+
+
+def is_temporary(name: str) -> bool:
+    """A write in progress or left by a dead writer: never read as an entry."""
+    return name.startswith(".") and name.endswith(_TMP_SUFFIX)
+
+
+def read_layout_json(layout_dir: str | os.PathLike) -> Any:
+    """The parsed layout.json of a layout directory (any JSON value: the caller checks
+    it); raises OSError (missing, a link, too large) or ValueError (not JSON)."""
+    return json.loads(read_small(Path(layout_dir) / LAYOUT_JSON, _LAYOUT_JSON_LIMIT))
+
+
+def discard(path: str | os.PathLike, file_id: tuple[int, int] | None = None) -> bool:
+    """Remove `path`; with `file_id` (st_dev, st_ino) only while it names that file (a
+    writer may have renamed a new file over it meanwhile). Whether it was removed."""
+    try:
+        if file_id is not None:
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) != file_id:
+                return False
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
 
 
 class _JournaledIndex(OrderedDict[bytes, int]):
@@ -192,7 +247,7 @@ class DiskTier(QueuedTier):
         """Create the directory and its layout.json (at start, and again should the
         directory be removed); False if neither exists nor can, or the layout directory is
         a link (its files would land where the link points)."""
-        path = self.dir / _LAYOUT_JSON
+        path = self.dir / LAYOUT_JSON
         try:
             self.dir.parent.parent.mkdir(parents=True, exist_ok=True)
             make_dir(self.dir.parent, self._dir_mode)  # disk_path, if it is new
@@ -207,7 +262,7 @@ class DiskTier(QueuedTier):
                 self._warn_once("dir", "hybridkv: disk tier off: cannot create %s: %s", self.dir, e)
                 return False
         try:
-            meta = json.loads(read_small(path, _LAYOUT_JSON_LIMIT))
+            meta = read_layout_json(self.dir)
             found = meta.get("fingerprint") if isinstance(meta, dict) else "a non-object"
         except (OSError, ValueError, RecursionError) as e:
             found = f"unreadable ({e})"
@@ -224,7 +279,7 @@ class DiskTier(QueuedTier):
                 f.write(data)
             os.replace(tmp, path)
         except OSError:
-            self._discard(tmp)
+            discard(tmp)
             raise
 
     def _probe_writable(self) -> bool:
@@ -260,23 +315,11 @@ class DiskTier(QueuedTier):
         found: list[tuple[int, bytes, int]] = []
         kept: dict[bytes, tuple[int, int]] = {}
         now = time.time()
-        try:
-            top = list(os.scandir(self.dir))
-        except FileNotFoundError:
-            top = []  # removed under us: empty until a write makes it again
-        entries = [e for e in top if not e.is_dir(follow_symlinks=False)]
-        for sub in top:
-            if sub.is_dir(follow_symlinks=False) and len(sub.name) == 2:
-                try:
-                    entries.extend(os.scandir(sub.path))
-                except OSError:
-                    continue
-        for e in entries:
+        for e in scan_layout_dir(self.dir):
             try:
-                if e.name.endswith(_SUFFIX) and len(e.name) == _NAME_CHARS + len(_SUFFIX):
+                if (key := entry_key(e.name)) is not None:
                     if e.is_file(follow_symlinks=False):
                         st = e.stat(follow_symlinks=False)
-                        key = bytes.fromhex(e.name[:_NAME_CHARS])
                         if self._kept.get(key) == (st.st_dev, st.st_ino):
                             kept[key] = (st.st_dev, st.st_ino)
                         else:
@@ -427,7 +470,7 @@ class DiskTier(QueuedTier):
             for key in written:
                 self._used -= self._index.pop(key, 0)
         for key, file_id in written.items():
-            self._discard(self.path_of(key), file_id)
+            discard(self.path_of(key), file_id)
 
     @never_raises()
     def close(self) -> None:
@@ -475,7 +518,7 @@ class DiskTier(QueuedTier):
         if err.file_id is None:
             return
         if err.damaged:
-            self._discard(path, err.file_id)
+            discard(path, err.file_id)
         else:
             with self._lock:
                 self._kept[key] = err.file_id
@@ -487,7 +530,7 @@ class DiskTier(QueuedTier):
             self._used -= size
             self._written.pop(key, None)
             self._stats.evictions += 1
-            self._discard(self.path_of(key))
+            discard(self.path_of(key))
 
     def _writer(self) -> None:
         while True:
@@ -555,13 +598,3 @@ class DiskTier(QueuedTier):
                     os.unlink(created, dir_fd=dir_fd)
             if dir_fd is not None:
                 os.close(dir_fd)
-
-    @staticmethod
-    def _discard(path: Path, file_id: tuple[int, int] | None = None) -> None:
-        """Remove `path`; with `file_id` (st_dev, st_ino) only while it names that file."""
-        with contextlib.suppress(OSError):
-            if file_id is not None:
-                st = os.lstat(path)
-                if (st.st_dev, st.st_ino) != file_id:
-                    return
-            os.unlink(path)

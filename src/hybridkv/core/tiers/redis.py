@@ -88,7 +88,7 @@ _CLEAR_BATCH = 1000
 _SERVER_FAULTS = (redis.RedisError, RedisClusterException, OSError)
 
 
-def _without_password(url: str) -> str:
+def without_password(url: str) -> str:
     """`url` fit for a log: any password masked."""
     parts = urlsplit(url)
     if parts.password is None:
@@ -98,7 +98,8 @@ def _without_password(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}***@{netloc}"))
 
 
-def _glob_escape(text: str) -> str:
+def glob_escape(text: str) -> str:
+    """`text` matched literally in a SCAN pattern."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
@@ -142,7 +143,7 @@ class RedisTier(QueuedTier):
             raise ValueError("ttl_s must be at least 1 second (None: no expiry)")
         super().__init__(fingerprint, entry_bytes, integrity_key, queue_bytes, alloc)
         self._url = url
-        self.where = _without_password(url)  # for logs
+        self.where = without_password(url)  # for logs
         self.cluster = cluster
         self.ttl_s = ttl_s
         self.max_entry_bytes = max_entry_bytes
@@ -281,7 +282,7 @@ class RedisTier(QueuedTier):
         """UNLINK every name of this prefix and layout, found by SCAN, in batches."""
         assert self._client is not None
         batch: list[bytes] = []
-        pattern = _glob_escape(self._namespace) + "*"
+        pattern = glob_escape(self._namespace) + "*"
         for name in self._client.scan_iter(match=pattern, count=_CLEAR_BATCH):
             batch.append(name)
             if len(batch) >= _CLEAR_BATCH:
