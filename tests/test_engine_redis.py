@@ -88,3 +88,36 @@ def test_a_dead_redis_costs_hits_not_requests(model_dirs):
     assert runs["mine"]["num_cached_tokens"] >= hit_tokens(b["chunk_tokens"])
     assert d["runs"]["remote"]["num_cached_tokens"] == hit_tokens(d["chunk_tokens"])
     assert same_output(d["runs"]["remote"], c["runs"]["native"])
+
+
+def test_damaged_and_foreign_redis_values_are_misses_never_wrong_answers(model_dirs):
+    """Every value another engine stored is damaged behind the tier's back (a flipped
+    byte, a truncated value, a foreign one): the next engine sees the keys exist, tries
+    to promote them, finds each unusable, counts it and computes the prompt instead,
+    with the cold run's output."""
+    prompt = tokens(PROMPT, seed=94)
+    with redis_server() as server:
+        spec = {"model": model_dirs["qwen3-next"], "extra": redis_config(server.url)}
+        a = run_engine_proc({**spec, "steps": [gen("cold", prompt), {"op": "flush"}]})
+        raw = server.client()
+        keys = sorted(raw.keys("*"))
+        assert keys, "engine A stored nothing in Redis"
+        for i, key in enumerate(keys):
+            value = raw.get(key)
+            if i % 3 == 0:
+                value = (
+                    value[: len(value) // 2]
+                    + bytes([value[len(value) // 2] ^ 0xFF])
+                    + value[len(value) // 2 + 1 :]
+                )
+            elif i % 3 == 1:
+                value = value[: len(value) - 7]
+            else:
+                value = b"FOREIGN" + bytes(len(value))
+            raw.set(key, value)
+        b = run_engine_proc({**spec, "steps": [gen("damaged", prompt)]})
+    run = b["runs"]["damaged"]
+    assert run["num_cached_tokens"] == 0
+    assert run["token_ids"] == a["runs"]["cold"]["token_ids"]
+    assert b["snapshot"]["failed_promotions"] > 0
+    assert b["stats"]["redis"]["corrupt"] > 0

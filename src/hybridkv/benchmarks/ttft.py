@@ -7,8 +7,10 @@ Modes, each timed once per prompt, in this order within one engine process:
   native     the same prompt again: vLLM's own in-memory prefix cache serves it
   cpu        vLLM's prefix cache emptied: hybridkv restores from its CPU tier
   disk       CPU tier emptied as well: hybridkv restores from disk (page cache warm)
-and in a second engine process on the same disk directory (a restart):
-  restart    the prompt restored from the disk the first process wrote
+  redis      instead of disk, with `redis_url`: restored from Redis (a shared tier)
+and in a second engine process on the same disk directory or Redis (a restart, or
+another replica):
+  restart    the prompt restored from what the first process wrote
   native     the same prompt again in that engine (its own prefix hit), the reference
   recompute  the prompt with its first token changed (so nothing of it is cached),
              computed from scratch in the same engine: the cold reference after restart
@@ -32,14 +34,15 @@ from typing import Any
 
 from hybridkv.benchmarks.figures import engine_process, percentile, write_result
 
-FIRST_MODES = ("cold", "native", "cpu", "disk")
+FIRST_MODES = ("cold", "native", "cpu")
 RESTART_MODES = ("restart", "native", "recompute")
 
 
-def first_modes(tp: int) -> tuple[str, ...]:
-    """The first engine's modes: with workers in processes of their own (TP > 1) the CPU
-    tier cannot be emptied from the benchmark's process, so `disk` is left out."""
-    return FIRST_MODES if tp == 1 else tuple(m for m in FIRST_MODES if m != "disk")
+def first_modes(tp: int, redis: bool = False) -> tuple[str, ...]:
+    """The first engine's modes, the lower tier's last. With workers in processes of
+    their own (TP > 1) the CPU tier cannot be emptied from the benchmark's process, so
+    the lower tier's mode is left out."""
+    return FIRST_MODES + (("redis" if redis else "disk",) if tp == 1 else ())
 
 
 LABELS = {
@@ -47,7 +50,8 @@ LABELS = {
     "native": "vLLM prefix hit",
     "cpu": "hybridkv CPU",
     "disk": "hybridkv disk",
-    "restart": "restart: hybridkv disk",
+    "redis": "hybridkv Redis",
+    "restart": "restart: hybridkv",
     "restart native": "restart: vLLM prefix hit",
     "recompute": "restart: cold",
 }
@@ -65,6 +69,8 @@ class TtftSettings:
     cpu_bytes: str = "4GiB"
     kv_cache_bytes: int = 2 << 30
     disk_path: str | None = None
+    redis_url: str | None = None  # the lower tier is this Redis instead of a disk
+    run_id: str = ""  # names this run's Redis keys; set by `measure`
     tp: int = 1
 
 
@@ -80,7 +86,13 @@ def _start_engine(s: TtftSettings):
     from hybridkv.models import default_model_dir, make_model
 
     model = make_model(s.arch, s.model or default_model_dir(s.arch, s.size), s.size)
-    extra = {"cpu_bytes": s.cpu_bytes, "disk_path": s.disk_path, "disk_bytes": "64GiB"}
+    extra: dict[str, Any] = {"cpu_bytes": s.cpu_bytes}
+    if s.redis_url is not None:
+        # Keys of this run only: a Redis outlives the benchmark, and a later run's cold
+        # prompts must not hit what this one stored.
+        extra.update(redis_url=s.redis_url, redis_key_prefix=f"hybridkv-bench-{s.run_id}")
+    else:
+        extra.update(disk_path=s.disk_path, disk_bytes="64GiB")
     room = s.prompt_tokens + 64
     parallel: dict[str, Any] = {}
     if s.tp > 1:
@@ -120,9 +132,9 @@ def phase(s: TtftSettings, modes: list[str]) -> dict[str, Any]:
     rows: dict[str, dict[str, list]] = {m: {"s": [], "hit": [], "loaded": []} for m in modes}
     for prompt in prompts(s.repeats, s.prompt_tokens, vocab):
         for mode in modes:
-            if mode in ("cpu", "disk"):
+            if mode in ("cpu", "disk", "redis"):
                 llm.reset_prefix_cache()
-            if mode == "disk":
+            if mode in ("disk", "redis"):
                 drop_cpu_tier(llm)
             timed = [prompt[0] % (vocab - 1) + 1, *prompt[1:]] if mode == "recompute" else prompt
             before = _loaded_bytes(llm)
@@ -148,11 +160,24 @@ def _phase(s: TtftSettings, modes: tuple[str, ...]) -> dict[str, Any]:
     return engine_process("hybridkv.benchmarks.ttft", spec, f"TTFT engine {modes}")
 
 
+def _drop_run_keys(url: str, prefix: str) -> None:
+    """Delete what this run stored in a Redis that outlives it (standalone servers)."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url)
+        for key in client.scan_iter(match=f"{prefix}:*", count=1000):
+            client.delete(key)
+    except redis.RedisError as e:
+        print(f"note: could not delete this run's keys {prefix}:* ({e})")
+
+
 def measure(s: TtftSettings, first: tuple[str, ...], restart: bool) -> dict[str, Any]:
     """Run the first engine's `first` modes, then (with `restart`) a second engine's
     restart modes on the same disk directory; per-mode figures, raw samples, settings."""
     tmp = None
-    if s.disk_path is None:
+    s.run_id = s.run_id or f"{os.getpid()}-{time.time_ns()}"
+    if s.disk_path is None and s.redis_url is None:
         tmp = tempfile.TemporaryDirectory(prefix="hybridkv-bench-")
         s.disk_path = tmp.name
     try:
@@ -163,6 +188,8 @@ def measure(s: TtftSettings, first: tuple[str, ...], restart: bool) -> dict[str,
         if tmp is not None:
             tmp.cleanup()
             s.disk_path = None
+        if s.redis_url is not None:
+            _drop_run_keys(s.redis_url, f"hybridkv-bench-{s.run_id}")
     figures = {}
     for name, ph in phases.items():
         ref = percentile(ph["modes"]["native"]["s"], 0.5) if "native" in ph["modes"] else None

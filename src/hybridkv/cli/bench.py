@@ -16,6 +16,10 @@ Out = Annotated[Path, typer.Option(help="JSON result (the PNG plot is written be
 ArchOpt = Annotated[Arch, typer.Option(help="model architecture")]
 Repeats = Annotated[int, typer.Option(help="prompts timed (p50/p90 over them)")]
 Quick = Annotated[bool, typer.Option(help="tiny model, short prompts, 2 repeats (~1 min)")]
+Redis = Annotated[
+    str | None,
+    typer.Option(help="restore from this Redis (redis://...) instead of a disk directory"),
+]
 
 
 def _ttft_settings(
@@ -28,6 +32,7 @@ def _ttft_settings(
     kv_cache_bytes: str,
     tp: int,
     quick: bool,
+    redis: str | None,
 ):
     from hybridkv.benchmarks.ttft import TtftSettings
 
@@ -41,6 +46,7 @@ def _ttft_settings(
         cpu_bytes=cpu_bytes,
         kv_cache_bytes=size_option(kv_cache_bytes, "--kv-cache-bytes"),
         tp=tp,
+        redis_url=redis,
     )
     if quick:
         s.size, s.prompt_tokens, s.repeats, s.kv_cache_bytes = "tiny", 1024, 2, 256 << 20
@@ -59,16 +65,17 @@ def ttft(
     tp: Annotated[int, typer.Option(help="tensor-parallel ranks (`mp` executor)")] = 1,
     restart: Annotated[bool, typer.Option(help="also time a restart from disk")] = False,
     quick: Quick = False,
+    redis: Redis = None,
     json: Out = Path("hybridkv-bench/ttft.json"),
 ) -> None:
     """TTFT cold, with vLLM's own prefix hit, and restored by hybridkv from CPU memory
-    and from disk, in one engine; p50/p90, tokens hit, bytes loaded."""
+    and from disk (or Redis), in one engine; p50/p90, tokens hit, bytes loaded."""
     from hybridkv.benchmarks.ttft import first_modes, run
 
     s = _ttft_settings(
-        arch, size, model, prompt_tokens, repeats, cpu_bytes, kv_cache_bytes, tp, quick
+        arch, size, model, prompt_tokens, repeats, cpu_bytes, kv_cache_bytes, tp, quick, redis
     )
-    run(s, first_modes(s.tp), restart, json)
+    run(s, first_modes(s.tp, s.redis_url is not None), restart, json)
 
 
 @bench.command("restart")
@@ -82,15 +89,16 @@ def restart_cmd(
     kv_cache_bytes: Annotated[str, typer.Option(help="vLLM's own KV cache")] = "2GiB",
     tp: Annotated[int, typer.Option(help="tensor-parallel ranks (`mp` executor)")] = 1,
     quick: Quick = False,
+    redis: Redis = None,
     json: Out = Path("hybridkv-bench/restart.json"),
 ) -> None:
-    """One engine computes the prompts (hybridkv writes them to disk); a new engine
-    process restores them from that disk: TTFT against its own prefix hit and against
-    computing them from scratch."""
+    """One engine computes the prompts (hybridkv writes them to disk or Redis); a new
+    engine process restores them from there: TTFT against its own prefix hit and
+    against computing them from scratch."""
     from hybridkv.benchmarks.ttft import run
 
     s = _ttft_settings(
-        arch, size, model, prompt_tokens, repeats, cpu_bytes, kv_cache_bytes, tp, quick
+        arch, size, model, prompt_tokens, repeats, cpu_bytes, kv_cache_bytes, tp, quick, redis
     )
     run(s, ("cold",), True, json)
 
