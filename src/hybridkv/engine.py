@@ -27,7 +27,7 @@ def make_llm(
     model_dir: str,
     extra_config: dict[str, Any] | None = None,
     *,
-    connector: bool = True,
+    connector: bool | dict[str, Any] = True,
     kv_cache_bytes: int = 256 << 20,
     load_failure_policy: str = "recompute",
     max_model_len: int = 4096,
@@ -38,7 +38,9 @@ def make_llm(
 
     offline_env()
     ktc = None
-    if connector:
+    if isinstance(connector, dict):  # another connector's settings (a baseline, a wrapper)
+        ktc = KVTransferConfig(**connector)
+    elif connector:
         ktc = KVTransferConfig(
             **CONNECTOR,
             kv_connector_extra_config=dict(extra_config or {}),

@@ -33,7 +33,7 @@ SYSTEMS = ("hybridkv", "vllm-offload", "none")
 
 
 def start_engine(spec: dict[str, Any]):
-    from hybridkv.engine import make_llm, offline_env
+    from hybridkv.engine import make_llm
 
     system = spec["system"]
     common = dict(
@@ -48,25 +48,13 @@ def start_engine(spec: dict[str, Any]):
         return make_llm(spec["model"], connector=False, **common)
     if system != "vllm-offload":
         raise ValueError(f"system: expected one of {SYSTEMS}, got {system!r}")
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    offline_env()
     extra = {**OFFLOAD_SPEC, "cpu_bytes_to_use": spec["budget"], **spec.get("offload_extra", {})}
-    ktc = KVTransferConfig(
-        kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
-    )
-    return LLM(  # make_llm's settings, with vLLM's own connector
-        model=spec["model"],
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        kv_cache_memory_bytes=common["kv_cache_bytes"],
-        max_model_len=common["max_model_len"],
-        max_num_batched_tokens=common["max_num_batched_tokens"],
-        seed=0,
-        kv_transfer_config=ktc,
-    )
+    offloading = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+    return make_llm(spec["model"], connector=offloading, **common)
 
 
 class PrefillSplit:
