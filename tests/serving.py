@@ -18,7 +18,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,12 +27,8 @@ import httpx
 import psutil
 from openai import AsyncOpenAI
 
-CONNECTOR = {
-    "kv_connector": "HybridKVConnector",
-    "kv_connector_module_path": "hybridkv.vllm",
-    "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
-}
+from hybridkv.server import server_args
+
 MiB = 1 << 20
 
 
@@ -71,33 +66,25 @@ def server_command(
     extra_args: tuple[str, ...] = (),
     connector: bool = True,
 ) -> list[str]:
-    """The server's command line; `connector=False` gives the same server without
-    hybridkv (a baseline)."""
-    ktc = dict(CONNECTOR, kv_connector_extra_config=extra_config)
-    hybridkv = ["--kv-transfer-config", json.dumps(ktc)]
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
+    """The server's command line (hybridkv.server's, as `hybridkv serve` runs it) on a
+    small engine; `connector=False` gives the same server without hybridkv (a baseline)."""
+    return server_args(
         model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--skip-tokenizer-init",
-        "--enable-prompt-tokens-details",
-        "--enable-prefix-caching",
-        "--enforce-eager",
-        "--max-model-len",
-        "4096",
-        "--kv-cache-memory-bytes",
-        str(kv_cache_bytes),
-        "--max-num-seqs",
-        str(max_num_seqs),
-        *(hybridkv if connector else ()),
-        *extra_args,
-    ]
+        extra_config if connector else None,
+        port=port,
+        vllm_args=(
+            "--skip-tokenizer-init",
+            "--enable-prompt-tokens-details",
+            "--enforce-eager",
+            "--max-model-len",
+            "4096",
+            "--kv-cache-memory-bytes",
+            str(kv_cache_bytes),
+            "--max-num-seqs",
+            str(max_num_seqs),
+            *extra_args,
+        ),
+    )
 
 
 class ServerDied(RuntimeError):
@@ -321,11 +308,17 @@ def start_server(
     timeout: float = 300,
     connector: bool = True,
 ) -> Server:
-    """Start a server and wait for /health; a start that fails is cleaned up and raises
-    with the log's tail."""
+    """A server (`server_command`) on a free port, started by `launch`."""
     extra = {"cpu_bytes": "256MiB", **(extra_config or {})}
     port = free_port()
     cmd = server_command(model, port, extra, kv_cache_bytes, max_num_seqs, extra_args, connector)
+    return launch(cmd, model, port, log_path, timeout)
+
+
+def launch(cmd: list[str], model: str, port: int, log_path: Path, timeout: float = 300) -> Server:
+    """Run a server command line (in a session of its own, output to `log_path`) and
+    wait for /health on `port`; a start that fails is cleaned up and raises with the
+    log's tail."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")

@@ -3,13 +3,17 @@ main job on it (cold run, vLLM's own prefix hit, hybridkv's restore after a rese
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
+import warnings
 from enum import Enum
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
 from hybridkv.cli.app import app, size_option
 from hybridkv.models import ARCHS, SIZES, default_model_dir, make_model
@@ -42,7 +46,9 @@ def demo(
     kv_cache_bytes: Annotated[str, typer.Option(help="vLLM's KV cache")] = "1GiB",
 ) -> None:
     """Cold run, vLLM's own prefix hit, reset vLLM's prefix cache, hybridkv's restore:
-    TTFT of each and whether the restored continuation is identical."""
+    TTFT of each and whether the restored continuation is identical. vLLM logs errors
+    only (VLLM_LOGGING_LEVEL=INFO shows its log)."""
+    quiet()
     # One process for the whole engine keeps the demo simple to read and debug.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from hybridkv.engine import generate, make_llm, worker_connector
@@ -50,7 +56,8 @@ def demo(
     kv_bytes = size_option(kv_cache_bytes, "--kv-cache-bytes")
     size_option(cpu_bytes, "--cpu-bytes")
     model_dir = model or str(default_model_dir(arch.value, size.value))
-    print(f"model: {arch.value}/{size.value} at {model_dir}")
+    console = Console()
+    console.print(f"model: {arch.value}/{size.value} at {model_dir}")
     make_model(arch.value, model_dir, size=size.value)
     llm = make_llm(
         model_dir,
@@ -58,6 +65,7 @@ def demo(
         kv_cache_bytes=kv_bytes,
         max_model_len=prompt_tokens + 64,
         max_num_batched_tokens=prompt_tokens + 64,
+        use_tqdm_on_load=False,
     )
     rng = random.Random(0)
     prompt = [rng.randrange(1, 1000) for _ in range(prompt_tokens)]
@@ -77,20 +85,53 @@ def demo(
     llm.reset_prefix_cache()
     again = generate(llm, [prompt], max_tokens=max_tokens)[0]
 
-    ws = worker_connector().worker_side
+    stats = worker_connector().worker_side.stats
     same = again.token_ids == ref.token_ids and again.logprobs == ref.logprobs
-    print(f"prompt tokens            {len(prompt)}")
-    hit, native_hit = restored.num_cached_tokens, native.num_cached_tokens
-    print(f"tokens restored          {hit} (native hit: {native_hit})")
-    stats = ws.stats
-    print(f"blocks loaded            {stats.loaded_blocks}, entries stored {stats.stored_entries}")
-    print(f"TTFT cold                {t_cold * 1e3:8.1f} ms")
-    print(f"TTFT native prefix hit   {t_native * 1e3:8.1f} ms")
-    speedup = t_cold / t_restored
-    print(f"TTFT restored (hybridkv) {t_restored * 1e3:8.1f} ms   cold/restored = {speedup:.1f}x")
-    print(f"first token cold == restored: {cold.token_ids == restored.token_ids}")
-    print(f"{max_tokens} greedy tokens + logprobs restored == native hit: {same}")
-    ok = restored.num_cached_tokens > 0 and same and cold.token_ids == restored.token_ids
-    print("demo:", "OK" if ok else "FAILED")
+    first_same = cold.token_ids == restored.token_ids
+    ok = restored.num_cached_tokens > 0 and same and first_same
+
+    table = Table(title=f"time to first token, {len(prompt)}-token prompt", title_justify="left")
+    table.add_column("run")
+    table.add_column("cached tokens", justify="right")
+    table.add_column("TTFT", justify="right")
+    table.add_column("speed-up", justify="right")
+    for name, gen, t in (
+        ("cold", cold, t_cold),
+        ("vLLM's own prefix hit", native, t_native),
+        ("restored by hybridkv", restored, t_restored),
+    ):
+        table.add_row(name, str(gen.num_cached_tokens), f"{t * 1e3:.1f} ms", f"{t_cold / t:.1f}x")
+    console.print(table)
+    console.print(
+        f"hybridkv: {stats.loaded_blocks} blocks loaded, {stats.stored_entries} entries stored"
+    )
+    console.print(f"first token, restored == cold: {_yes(first_same)}")
+    console.print(f"{max_tokens} greedy tokens + logprobs, restored == vLLM's hit: {_yes(same)}")
+    console.print("demo:", "[bold green]OK[/]" if ok else "[bold red]FAILED[/]")
     if not ok:
         raise typer.Exit(1)
+
+
+def _yes(flag: bool) -> str:
+    return "[green]yes[/]" if flag else "[red]no[/]"
+
+
+def quiet() -> None:
+    """Keep the demo's output to its own summary: vLLM logs errors only, and no progress
+    bars, C++ or Python warnings. Set before vLLM, torch and transformers are imported
+    (they read these once); a variable the user set wins."""
+    for name, value in (
+        ("VLLM_LOGGING_LEVEL", "ERROR"),
+        ("TORCH_CPP_LOG_LEVEL", "ERROR"),
+        ("TRANSFORMERS_VERBOSITY", "error"),
+        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+        ("TQDM_DISABLE", "1"),
+    ):
+        os.environ.setdefault(name, value)
+    level = os.environ["VLLM_LOGGING_LEVEL"].upper()
+    # vLLM configures its logging only when the engine starts: until then, warnings
+    # logged while it is imported reach Python's last-resort handler.
+    logging.getLogger("vllm").setLevel(level)
+    if level == "ERROR":
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
