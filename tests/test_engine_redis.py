@@ -1,13 +1,17 @@
 """The shared Redis tier through real engines: what one engine process stores, another
 (its own CPU memory, no shared disk) restores with identical output; the load weights
 decide which lower tier serves a hit; a dead server costs hits, never requests or
-correctness. Real `redis-server` processes on loopback (tests/redis_servers.py)."""
+correctness; a damaged value is a counted miss; a Redis Cluster serves the same hit.
+Real `redis-server` processes on loopback (tests/redis_servers.py)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 from conftest import run_engine_proc, tokens
-from redis_servers import redis_server, require_redis
+from redis_servers import redis_cluster, redis_server, require_redis
 from test_engine_disk import PROMPT, gen, hit_tokens, same_output
 
 pytestmark = pytest.mark.engine
@@ -22,11 +26,27 @@ def redis_config(url: str, **more) -> dict:
     return {"cpu_bytes": "64MiB", "redis_url": url, "redis_timeout_ms": 500, **more}
 
 
-@pytest.mark.parametrize("arch", ["qwen3-next", "gemma3"])
-def test_an_engine_restores_what_another_stored_in_redis(arch, model_dirs):
+@contextlib.contextmanager
+def shared_redis(cluster: bool) -> Iterator[dict]:
+    """Settings of a Redis tier on a new standalone server, or on a new 3-master
+    Redis Cluster reached through one node."""
+    if not cluster:
+        with redis_server() as server:
+            yield redis_config(server.url)
+        return
+    with redis_cluster(3) as nodes:
+        yield redis_config(nodes[1].url, redis_cluster=True)
+
+
+@pytest.mark.parametrize(
+    ("arch", "cluster"),
+    [("qwen3-next", False), ("gemma3", True)],
+    ids=["qwen3-next", "gemma3-cluster"],
+)
+def test_an_engine_restores_what_another_stored_in_redis(arch, cluster, model_dirs):
     prompt = tokens(PROMPT, seed=90)
-    with redis_server() as server:
-        spec = {"model": model_dirs[arch], "extra": redis_config(server.url)}
+    with shared_redis(cluster) as extra:
+        spec = {"model": model_dirs[arch], "extra": extra}
         a = run_engine_proc({**spec, "steps": [gen("cold", prompt), gen("native", prompt)]})
         b = run_engine_proc({**spec, "steps": [gen("remote", prompt), gen("again", prompt)]})
     assert b["runs"]["remote"]["num_cached_tokens"] == hit_tokens(b["chunk_tokens"])
