@@ -148,8 +148,13 @@ def phase(s: TtftSettings, modes: list[str]) -> dict[str, Any]:
             if s.tp == 1:
                 sync_tiers(llm)
     per_token = sum(g.block_bytes / g.block_tokens for g in layout.groups if g.kind != "state")
+    snapshot = scheduler_connector(llm).scheduler_side.snapshot()
     return {
         "modes": rows,
+        # Lookups that asked Redis, per request timed (the warm-up's included).
+        "redis_round_trips_per_request": snapshot.get("probe_round_trips", 0)
+        / (1 + s.repeats * len(modes)),
+        "connector": snapshot,
         "attention_bytes_per_token": per_token,
         "groups": [(g.kind.value, g.block_tokens, g.block_bytes) for g in layout.groups],
     }
@@ -225,6 +230,12 @@ def table(result: dict[str, Any]) -> str:
             f"{LABELS[mode]:26}{f['ttft_p50_s'] * 1e3:9.1f}{f['ttft_p90_s'] * 1e3:9.1f}"
             f"{ratio}{f['hit_tokens']:12}{f['loaded_bytes'] / 1e6:11.1f}"
         )
+    if s["redis_url"] is not None:
+        trips = ", ".join(
+            f"{name} {ph['redis_round_trips_per_request']:.2f}"
+            for name, ph in result["phases"].items()
+        )
+        lines.append(f"Redis round trips per request: {trips}")
     return "\n".join(lines)
 
 
