@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import tokens
-from redis_servers import redis_server, require_redis
+from redis_servers import redis_cluster, redis_server, require_redis
 
 from hybridkv.cli import main
 from hybridkv.core.keys import KEY_BYTES, chain_seed, chunk_keys, group_key
@@ -85,7 +85,13 @@ def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("inventory")
     model = str(make_model("qwen3-next", base / "model", size="tiny"))
     root = base / "cache"
-    llm = make_llm(model, {"cpu_bytes": "64MiB", "disk_path": str(root)})
+    # Short prompts only: a small model length keeps the engine's start-up quick.
+    llm = make_llm(
+        model,
+        {"cpu_bytes": "64MiB", "disk_path": str(root)},
+        max_model_len=512,
+        max_num_batched_tokens=512,
+    )
     try:
         prompts = {"a": tokens(PROMPT, seed=81), "b": tokens(PROMPT, seed=82)}
         cold = {name: generate(llm, [p])[0] for name, p in prompts.items()}
@@ -187,11 +193,9 @@ def _flip(path: Path, offset: int = HEADER_BYTES + 100) -> None:
 
 
 def test_inspect_verify_finds_damage_and_exits_1(run, cache, capsys):
-    # Clean: through the installed script, as an operator runs it.
-    clean = subprocess.run([HYBRIDKV, "inspect", str(cache), "--verify"], capture_output=True)
-    assert clean.returncode == 0, clean.stderr.decode()
     n = len(entry_files(cache))
-    assert f"verified {n} entries: {n} good, 0 damaged" in clean.stdout.decode()
+    rc, clean = run_cli(capsys, "inspect", str(cache), "--verify")
+    assert rc == 0 and f"verified {n} entries: {n} good, 0 damaged" in clean
 
     layout_dir = cache / run.layout_dir.name
     flipped, cut = moved(run, cache, "a")[:2]
@@ -213,6 +217,7 @@ def test_inspect_verify_finds_damage_and_exits_1(run, cache, capsys):
     assert out["verify"]["good"] == n - 3 and out["verify"]["unreadable"] == []
     assert out["strays"]["count"] == 1 and out["layouts"][0]["strays"]["count"] == 1
 
+    # Through the installed script, as an operator runs it.
     result = subprocess.run([HYBRIDKV, "inspect", str(cache), "--verify"], capture_output=True)
     assert result.returncode == 1
     report = result.stdout.decode()
@@ -294,14 +299,16 @@ def test_gc_under_a_running_engine(run, capsys):
     drop_cpu_tier(llm)  # the engine's index still lists a's files, as it would in service
     llm.reset_prefix_cache()
     set_used(run.files["a"], 2 * HOUR)
-    misses = run.disk.stats().misses
+    before = run.disk.stats()
 
     rc, out = run_cli(capsys, "gc", str(run.root), "--older-than", "1h")
     assert rc == 0 and f"removed {len(run.files['a'])} entries" in out
     assert not any(p.exists() for p in run.files["a"])
 
     a = generate(llm, [run.prompts["a"]])[0]
-    assert run.disk.stats().misses > misses  # read under it: a miss, counted
+    after = run.disk.stats()
+    assert after.misses > before.misses  # read under it: a miss, counted
+    assert (after.errors, after.corrupt) == (before.errors, before.corrupt)  # nothing else
     assert a.num_cached_tokens == 0
     assert (a.token_ids, a.logprobs) == (run.cold["a"].token_ids, run.cold["a"].logprobs)
     b = generate(llm, [run.prompts["b"]])[0]
@@ -356,3 +363,21 @@ def test_inspect_redis(capsys):
         assert out["strays"]["count"] == 1
         rc, text = run_cli(capsys, "inspect", server.url)
         assert rc == 0 and fp.hex() in text and "Redis records no layout description" in text
+
+
+def test_inspect_redis_cluster(capsys):
+    """A three-master Cluster: every master's entries are listed and verified."""
+    require_redis()
+    fp = bytes(range(16))
+    with redis_cluster() as nodes:
+        tier = RedisTier(nodes[0].url, fp, cluster=True, max_entry_bytes=4096)
+        for i in range(12):
+            key = group_key(i.to_bytes(KEY_BYTES, "big"), i % 2)
+            tier.put(key, torch.full((5000,), i, dtype=torch.int8))
+        tier.flush()
+        tier.close()
+        on_nodes = sum(n.client().dbsize() for n in nodes)
+        assert on_nodes == 12 * 2  # two parts each, spread over the masters
+        rc, out = inspect_json(capsys, nodes[1].url, "--verify")
+        assert rc == 0 and out["entries"] == out["verify"]["good"] == 12
+        assert out["bytes"] == 12 * file_bytes(5000, False)

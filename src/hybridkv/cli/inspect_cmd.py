@@ -147,32 +147,36 @@ def show_layout(console: Console, lay: LayoutInventory, s: dict[str, Any]) -> No
         console.print("  " + escape(" · ".join(facts)))
     if lay.note:
         console.print(f"  [yellow]{escape(lay.note)}[/]")
-    table = Table(box=None, padding=(0, 1), pad_edge=False)
-    for name in ("group", "kind", "block tokens", "layers", "dtype", "entries", "bytes"):
-        right = name in ("entries", "bytes")
-        table.add_column(name, justify="right" if right else "left", no_wrap=True)
     described = d.get("groups") if isinstance(d.get("groups"), list) else []
     found = {g["group"]: g for g in s["groups"]}
+    columns = ["group", "kind", "block tokens", "layers", "dtype"] if described else ["group"]
+    table = Table(box=None, padding=(0, 1), pad_edge=False)
+    for name in columns:
+        table.add_column(name, no_wrap=True)
+    for name in ("entries", "bytes"):
+        table.add_column(name, justify="right", no_wrap=True)
     for gid in sorted(set(range(len(described))) | set(found)):
         g = described[gid] if gid < len(described) and isinstance(described[gid], dict) else {}
         count = found.get(gid, {"entries": 0, "bytes": 0})
         layers = g.get("layer_names")
         window = f" ({g['window']} tokens)" if g.get("window") else ""
-        table.add_row(
+        row = [
             str(gid),
             lay.kind_of(gid) + window,
             str(g.get("block_tokens", "?")),
             str(len(layers)) if isinstance(layers, list) else "?",
             escape(str(g.get("dtype", "?")).replace("torch.", "")),
-            str(count["entries"]),
-            human_bytes(count["bytes"]),
-        )
+        ]
+        table.add_row(*row[: len(columns)], str(count["entries"]), human_bytes(count["bytes"]))
     console.print(table)
-    kinds = [f"{kind} {k['entries']} ({human_bytes(k['bytes'])})" for kind, k in s["kinds"].items()]
-    console.print(f"  by kind: {', '.join(kinds) or '-'}")
+    if described:
+        kinds = [
+            f"{kind} {k['entries']} ({human_bytes(k['bytes'])})" for kind, k in s["kinds"].items()
+        ]
+        console.print(f"  by kind: {', '.join(kinds)}")
     c = s["chunks"]
     if c["with_all_states"] is None:
-        console.print(f"  chunks: {c['total']} (kinds not recorded: states unknown)")
+        console.print(f"  chunks: {c['total']} (group kinds not recorded: states unknown)")
     else:
         console.print(
             f"  chunks: {c['total']}; {c['with_all_states']} with every recurrent state, "
@@ -200,11 +204,15 @@ def show_report(console: Console, report: VerifyReport, root: str) -> None:
     """The verdict, and each entry that failed (disk paths relative to `root`)."""
     console.print()
     style = "red" if report.failed else "green"
-    console.print(
-        f"[bold {style}]verified {report.checked} entries:[/] {report.good} good, "
-        f"{len(report.damaged)} damaged, {len(report.unreadable)} unreadable, "
-        f"{len(report.not_usable_here)} for other settings, {report.gone} gone meanwhile"
-    )
+    counts = [f"{report.good} good", f"{len(report.damaged)} damaged"]
+    for n, what in (
+        (len(report.unreadable), "unreadable"),
+        (len(report.not_usable_here), "for other settings"),
+        (report.gone, "gone meanwhile"),
+    ):
+        if n:
+            counts.append(f"{n} {what}")
+    console.print(f"[bold {style}]verified {report.checked} entries:[/] {', '.join(counts)}")
     for title, problems in (
         ("damaged (an engine deletes these on sight)", report.damaged),
         ("unreadable", report.unreadable),

@@ -19,7 +19,9 @@ every read is verified and an unlink never disturbs a reader that already opened
 file; a file removed under an engine is a counted miss (`DiskTier.get`, FileNotFoundError)
 and the engine recomputes; engines rescan within a minute and drop what is gone from
 their index. A file is removed only while its name still holds the file listed (same
-device and inode): an entry an engine rewrote meanwhile is fresh, and stays.
+device and inode): an entry an engine rewrote meanwhile is fresh, and stays. Until an
+engine rescans, its index still counts the bytes removed, so its own budget may evict a
+little early; nothing worse.
 """
 
 from __future__ import annotations
