@@ -3,7 +3,7 @@ on the shared typer app when imported here."""
 
 from __future__ import annotations
 
-from hybridkv.cli import bench, demo, serve  # noqa: F401 - registering their commands
+from hybridkv.cli import bench, demo, gc, inspect_cmd, serve  # noqa: F401 - registering their commands
 from hybridkv.cli.app import app
 
 
