@@ -112,18 +112,22 @@ def test_serve_restores_a_chat_prefix(model_dirs: dict[str, str], tmp_path: Path
     """`hybridkv serve` becomes vLLM's server (same pid), with the model's tokenizer:
     a long chat, vLLM's own prefix cache emptied, the same chat again: hybridkv restores
     the prefix and the greedy answer and its logprobs are identical. A text completion
-    with logprobs works too. SIGTERM stops it cleanly (exit 0, no error logged)."""
+    with logprobs works too. SIGTERM stops it cleanly (exit 0, no error logged) once
+    the disk tier's writes are done (files are there)."""
     model = model_dirs["qwen3-next"]
     chat = long_chat(model)
     port = free_port()
     vllm_args = ["--enforce-eager", "--max-model-len", "4096", "--enable-prompt-tokens-details"]
     vllm_args += ["--kv-cache-memory-bytes", str(64 * MiB)]
-    cmd = [HYBRIDKV, "serve", model, "--cpu", "256MiB", "--port", str(port), "--", *vllm_args]
+    options = ["--cpu", "256MiB", "--disk", str(tmp_path / "kv"), "--port", str(port)]
+    cmd = [HYBRIDKV, "serve", model, *options, "--", *vllm_args]
     server = launch(cmd, model, port, tmp_path / "serve.log")
     try:
         cmdline = psutil.Process(server.proc.pid).cmdline()
         assert "vllm.entrypoints.openai.api_server" in cmdline, cmdline
         assert '"kv_connector": "HybridKVConnector"' in " ".join(cmdline)
+        # With a disk tier, SIGTERM waits for hybridkv's queued disk writes.
+        assert cmdline[cmdline.index("--shutdown-timeout") + 1] == "30"
 
         async def run() -> tuple[dict, dict, object]:
             client = server.client()
@@ -145,6 +149,7 @@ def test_serve_restores_a_chat_prefix(model_dirs: dict[str, str], tmp_path: Path
         code = server.stop()
     assert code == 0, f"server did not stop on SIGTERM (exit {code}):\n{server.log_tail()}"
     assert_clean_log(server)
+    assert any(p.is_file() for p in (tmp_path / "kv").rglob("*")), "no disk entries"
 
 
 def test_serve_bad_config_fails_before_vllm(model_dirs: dict[str, str], tmp_path: Path) -> None:

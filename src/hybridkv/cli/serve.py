@@ -8,6 +8,7 @@ signals, logs and the exit status are the server's own.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -71,23 +72,32 @@ def serve(
 
     extra: dict[str, Any] = {}
     if cpu is not None:
-        extra["cpu_bytes"] = size_option(cpu, "--cpu")
-    for key, value in (("disk_path", disk), ("redis_url", redis), ("config_file", config)):
+        size_option(cpu, "--cpu")  # a bad size is a usage error naming --cpu
+    for key, value in (
+        ("cpu_bytes", cpu),
+        ("disk_path", disk),
+        ("redis_url", redis),
+        ("config_file", config),
+    ):
         if value is not None:
             extra[key] = value
     try:
-        HybridKVConfig.from_dict(extra)
+        settings = HybridKVConfig.from_dict(extra)
     except ConfigError as e:
         typer.echo(f"hybridkv serve: {e}", err=True)
         raise typer.Exit(2) from None
 
     args = list(vllm_args or ())
+    if settings.disk is not None:
+        # vLLM's default (0) kills the engine at SIGTERM, losing the disk writes still
+        # queued; given after `--`, the user's value wins.
+        args = ["--shutdown-timeout", "30", *args]
     generated = generated_model(model)
     if generated is not None:
         arch, size = generated
         args = ["--served-model-name", model, *args]
         model = str(make_model(arch, default_model_dir(arch, size), size=size))
     argv = server_args(model, extra, host=host, port=port, vllm_args=args)
-    typer.echo("hybridkv serve: " + " ".join(argv), err=True)
+    typer.echo("hybridkv serve: " + shlex.join(argv), err=True)
     sys.stderr.flush()
     os.execvpe(argv[0], argv, dict(os.environ))
