@@ -199,6 +199,15 @@ def _non_negative(value: Any) -> float:
 NonNegative = Annotated[float, BeforeValidator(_non_negative)]
 
 
+def _port(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise _Invalid(f"expected a TCP port number from 1 to 65535, got {value!r}")
+    return value
+
+
+Port = Annotated[int, BeforeValidator(_port)]
+
+
 def _weight(value: Any) -> float:
     x = _number(value)
     if not (x > 0 and math.isfinite(x)):
@@ -575,6 +584,9 @@ class HybridKVConfig(_Model):
     # Weight of prefill saved per byte against recency when CPU memory evicts recurrent
     # boundaries (core/eviction.py); 0 is LRU over whole boundaries.
     eviction_alpha: NonNegative = 1.0
+    # Serve the vllm:hybridkv_* metrics over HTTP on this port from the scheduler side's
+    # process, for engines without vLLM's server (offline LLM); off by default.
+    metrics_port: Port | None = None
     # The YAML / JSON file the settings were merged from (read by from_dict only).
     config_file: Text | None = None
 
@@ -672,9 +684,9 @@ class HybridKVConfig(_Model):
 _ENV_PREFIX = "HYBRIDKV_"
 _ENV_NOT_SETTINGS = {"HYBRIDKV_HOME"}  # read elsewhere (models.py)
 _ENV_BOOL = {"disk_fsync", "redis_cluster"}
-_ENV_INT = {"chunk_tokens", "redis_ttl_s", "redis_timeout_ms"}
+_ENV_INT = {"chunk_tokens", "redis_ttl_s", "redis_timeout_ms", "metrics_port"}
 _ENV_FLOAT = {"eviction_alpha"}
-_ENV_NULLABLE = {"chunk_tokens", "redis_ttl_s"}
+_ENV_NULLABLE = {"chunk_tokens", "redis_ttl_s", "metrics_port"}
 _ENV_KEYS = (set(HybridKVConfig.model_fields) - {"tiers"}) | set(_FLAT)
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True}
 _BOOL_WORDS.update({"false": False, "0": False, "no": False, "off": False})

@@ -63,6 +63,8 @@ class TieredStore:
         self.policies = {t.name: (policies or {}).get(t.name, "always") for t in self.tiers[1:]}
         # Host memory of the entries this engine makes (stores, disk reads).
         self.pool = pool or HostPool(pin=False)
+        # Bytes of the entries each tier accepted (`_put`), for the metrics.
+        self.stored_bytes: dict[str, int] = {t.name: 0 for t in self.tiers}
 
     @classmethod
     def from_config(
@@ -121,7 +123,7 @@ class TieredStore:
                     continue
                 found[key] = entry
                 for upper in self.tiers[:i]:
-                    upper.put(key, entry)
+                    self._put(upper, key, entry)
             missing = still
         return found
 
@@ -136,6 +138,14 @@ class TieredStore:
     def tier(self, name: str) -> Tier | None:
         return next((t for t in self.tiers if t.name == name), None)
 
+    def _put(self, tier: Tier, key: bytes, entry: torch.Tensor) -> bool:
+        """`tier.put`, counting the bytes the tier accepted (callers serialize: the
+        worker calls its store under its lock)."""
+        stored = tier.put(key, entry)
+        if stored:
+            self.stored_bytes[tier.name] += entry.numel() * entry.element_size()
+        return stored
+
     def _below(self, *policies: str) -> list[Tier]:
         return [t for t in self.tiers[1:] if self.policies[t.name] in policies]
 
@@ -143,7 +153,7 @@ class TieredStore:
         """Store in CPU memory and the `always` tiers; without `cpu` (no room there), in
         the `on_evict` tiers as well, as if evicted at once. True if any took it."""
         below = self._below("always") if cpu else self._below("always", "on_evict")
-        stored = [t.put(key, entry) for t in ([self.cpu] if cpu else []) + below]
+        stored = [self._put(t, key, entry) for t in ([self.cpu] if cpu else []) + below]
         return any(stored)
 
     @property
@@ -154,7 +164,7 @@ class TieredStore:
     def evicted(self, key: bytes, entry: torch.Tensor) -> None:
         """CPU memory dropped the entry: the `on_evict` tiers take it now."""
         for t in self._below("on_evict"):
-            t.put(key, entry)
+            self._put(t, key, entry)
 
     def promoted(self, key: bytes, entry: torch.Tensor, source: str) -> bool:
         """An entry read from tier `source`: into CPU memory and the `always` tiers above
@@ -163,8 +173,8 @@ class TieredStore:
             if t.name == source:
                 break
             if self.policies[t.name] == "always":
-                t.put(key, entry)
-        return self.cpu.put(key, entry)
+                self._put(t, key, entry)
+        return self._put(self.cpu, key, entry)
 
     def delete(self, key: bytes) -> None:
         for t in self.tiers:

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from hybridkv.core import metrics
 from hybridkv.core.config import ConfigError, HybridKVConfig, effective
 from hybridkv.core.index import StoreIndex
 from hybridkv.core.layout import GroupKind
@@ -39,16 +40,29 @@ from hybridkv.core.probe import Probe
 from hybridkv.core.store import TieredStore, redis_tier
 from hybridkv.vllm.layout import group_layer_pages, layout_from_vllm
 from hybridkv.vllm.metadata import HybridKVMetadata, HybridKVWorkerMeta
+from hybridkv.vllm.metrics import (
+    HybridKVPromMetrics,
+    HybridKVStats,
+    MetricsServer,
+    start_metrics_server,
+    stats_or_none,
+)
 from hybridkv.vllm.scheduler_side import SchedulerSide
 from hybridkv.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -130,6 +144,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         log_through_vllm()
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        self.metrics_server: MetricsServer | None = None
+        # The workers' merged report of the current step, for `metrics_server`.
+        self._worker_report: metrics.Report | None = None
         ktc = vllm_config.kv_transfer_config
         self.config = HybridKVConfig.from_dict(ktc.kv_connector_extra_config)
         check_process_layout(vllm_config)
@@ -191,12 +208,16 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 probe=probe,
             )
             log.info("hybridkv: settings %s", json.dumps(effective(self.config)))
+            self._reporter = metrics.Reporter("scheduler")
+            if self.config.metrics_port is not None:
+                self.metrics_server = start_metrics_server(vllm_config, self.config.metrics_port)
         else:
             # A CUDA cache copies to and from pinned host memory (full PCIe speed).
             pin = vllm_config.device_config.device_type == "cuda"
             bound = _CPU_BOUND_FACTOR * self.config.cpu_bytes // ranks
             store = TieredStore.from_config(self.config, self.layout, pin, bound)
             self.worker_side = WorkerSide(self.planner, store, vllm_config.parallel_config.rank)
+            self._reporter = metrics.Reporter(f"rank{self.worker_side.rank}")
         self._all_groups = tuple(range(len(self.layout.groups)))
         log.info(
             "hybridkv: %s side, chunk %d tokens, groups %s",
@@ -234,6 +255,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_guarded(lambda: None)
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        stats = connector_output.kv_connector_stats
+        if self.metrics_server is not None and stats is not None:
+            self._worker_report = metrics.merge(metrics.empty(), stats.data)
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, HybridKVWorkerMeta):
             self.scheduler_side.worker_reports(meta.reports)
@@ -301,8 +325,66 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Unused: `get_transfer_results` reports loads, with their failures."""
         return None, None
 
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """vLLM's `prompt_tokens_cached_by_source`: CPU memory is the host; Redis, a
+        store other engines fill, is unspecified. Never raises (a wrong answer here is
+        only a label)."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        if num_external_tokens == 0:
+            return {}
+        try:
+            tier = self.scheduler_side.hit_source(request)
+        except Exception:
+            log.exception("hybridkv: naming a hit's tier failed")
+            tier = "redis"
+        source = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}.get(
+            tier, CacheHitSource.EXTERNAL_UNSPECIFIED
+        )
+        return {source: num_external_tokens}
+
+    # ---- metrics (both sides) -------------------------------------------------------------------
+    @_guarded(lambda: None)
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's report since the last call (core/metrics.py): a worker's goes to
+        the scheduler with its output, the scheduler side's joins the workers' there.
+        With `metrics_port`, the scheduler side also records both on its own server
+        (vLLM calls this every step, after `update_connector_output`)."""
+        side = self.scheduler_side or self.worker_side
+        report = self._reporter.report(*side.metrics())
+        if self.metrics_server is not None:
+            worker, self._worker_report = self._worker_report, None
+            self.metrics_server.observe(metrics.merge(worker or metrics.empty(), report))
+        return stats_or_none(report)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return HybridKVStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> HybridKVPromMetrics | None:
+        """vLLM's front end builds this once; a failure costs the metrics, not the server."""
+        try:
+            return HybridKVPromMetrics(
+                vllm_config, metric_types, labelnames, per_engine_labelvalues
+            )
+        except Exception:
+            log.exception("hybridkv: registering the vllm:hybridkv_* metrics failed")
+            return None
+
     # ---- both --------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """A worker finishes its queued disk writes."""
+        """A worker finishes its queued disk writes; the metrics server stops."""
         if self.worker_side is not None:
             self.worker_side.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from hybridkv.core.index import StoreIndex, WorkerReport
 from hybridkv.core.keys import extend_chain, group_key, split_group_key
 from hybridkv.core.layout import GroupKind, Layout
+from hybridkv.core.metrics import Figures
 from hybridkv.core.planner import NULL_BLOCK, EntryCopy, Planner
 from hybridkv.core.policy import CheckpointPolicy, StateAction
 from hybridkv.core.probe import Probe
@@ -54,6 +55,10 @@ STATS_LOG_SECONDS = 10.0
 PROMOTE_WAIT_SECONDS = 30.0
 
 
+def _add(counts: dict[str, int], key: str, n: int) -> None:
+    counts[key] = counts.get(key, 0) + n
+
+
 def _keyed(chain: list[bytes], plan: list[EntryCopy]) -> list[KeyedCopy]:
     return [KeyedCopy(group_key(chain[c.chunk], c.group), c) for c in plan]
 
@@ -65,6 +70,11 @@ class SchedulerStats:
     lookups: int = 0
     queried_tokens: int = 0  # prompt tokens beyond vLLM's own hit, at each answered lookup
     hit_tokens: int = 0  # tokens loaded by hybridkv (a hit vLLM allocated)
+    # The same by the tier a hit came from ("cpu", or the lower tier its entries were
+    # promoted from; lookups: "none" for a miss), for the metrics.
+    lookups_by_tier: dict[str, int] = field(default_factory=dict)
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    miss_tokens: int = 0  # queried tokens an answered lookup did not serve
     waits: int = 0  # lookups answered "ask again": disk entries on their way
     failed_plans: int = 0  # hits whose load could not be planned (reported failed)
     hook_errors: int = 0  # exceptions caught at the connector boundary
@@ -94,6 +104,8 @@ class _RequestState:
     keys: list[bytes] = field(default_factory=list)  # chain keys of full chunks seen so far
     stored_chunks: int = 0  # chunks [0, stored_chunks) are handled for attention stores
     hit: tuple[int, int] | None = None  # (local tokens, boundary) of the reported hit
+    hit_source: str = "cpu"  # the tier the reported hit came from
+    promoted_from: str | None = None  # the tier this lookup's wait promotes from
     pins: list[bytes] = field(default_factory=list)  # entries its hit or wait needs
     waiting_since: float | None = None  # first "ask again" of this wait
     staged: list[bytes] = field(default_factory=list)  # its newest decode-time state
@@ -225,16 +237,18 @@ class SchedulerSide:
             if any(index.promoting(k) for k in wanted):
                 if st.waiting_since is None:
                     st.waiting_since = time.monotonic()
+                st.promoted_from = tier
                 self.stats.waits += 1
                 return None
             index.touch(wanted)
             st.waiting_since = None
             st.hit = (local_tokens, boundary)
-            self._count_lookup(L, keys, local_tokens, boundary)
+            st.hit_source, st.promoted_from = st.promoted_from or "cpu", None
+            self._count_lookup(L, keys, local_tokens, boundary, st.hit_source)
             return boundary - local_tokens
         self._pin(st, [])
-        st.waiting_since = None
-        self._count_lookup(L, keys, local_tokens, 0)
+        st.waiting_since = st.promoted_from = None
+        self._count_lookup(L, keys, local_tokens, 0, "none")
         return 0
 
     def _probe(self, keys: list[bytes], local_tokens: int, num_prompt_tokens: int) -> bool:
@@ -291,11 +305,19 @@ class SchedulerSide:
         )
 
     def _count_lookup(
-        self, num_prompt_tokens: int, keys: list[bytes], local_tokens: int, boundary: int
+        self,
+        num_prompt_tokens: int,
+        keys: list[bytes],
+        local_tokens: int,
+        boundary: int,
+        tier: str,
     ) -> None:
+        """Count an answered lookup whose hit (if any) comes from `tier`."""
         self.stats.lookups += 1
+        _add(self.stats.lookups_by_tier, tier, 1)
         self.stats.queried_tokens += max(num_prompt_tokens - local_tokens, 0)
         served = max(boundary, local_tokens)
+        self.stats.miss_tokens += max(num_prompt_tokens - served, 0)
         C = self.planner.chunk_tokens
         cap = self.planner.max_hit_chunks(num_prompt_tokens) * C
         attention = self._full_groups
@@ -355,6 +377,7 @@ class SchedulerSide:
         self._load_pins.extend(st.pins)
         st.pins = []
         self.stats.hit_tokens += num_external
+        _add(self.stats.hit_tokens_by_tier, st.hit_source, num_external)
         # What was loaded is stored already.
         st.stored_chunks = max(st.stored_chunks, boundary // self.planner.chunk_tokens)
 
@@ -657,6 +680,21 @@ class SchedulerSide:
             "promoted_from": dict(self.index.promoted_from),
             "probe_round_trips": self.probe.round_trips if self.probe else 0,
         }
+
+    def metrics(self) -> tuple[Figures, Figures]:
+        """Cumulative counters and current gauges by tier, for reports (core/metrics.py)."""
+        s = self.stats
+        counters = {
+            "lookups": dict(s.lookups_by_tier),
+            "hit_tokens": dict(s.hit_tokens_by_tier),
+            "miss_tokens": {"none": s.miss_tokens},
+        }
+        return counters, {"held_entries": {"cpu": self.index.pinned()}}
+
+    def hit_source(self, request: Request) -> str:
+        """The tier the request's last reported hit came from."""
+        st = self._reqs.get(request.request_id)
+        return st.hit_source if st is not None else "cpu"
 
     def worker_reports(self, reports: dict[int, WorkerReport]) -> None:
         for rank, report in reports.items():

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ import torch
 from hybridkv.core.canonical import build_canonical
 from hybridkv.core.copy_engine import LANDED, CopyEngine, Landing
 from hybridkv.core.index import Orders, WorkerReport
+from hybridkv.core.metrics import Figures, Observations
 from hybridkv.core.planner import EntryCopy, Planner
 from hybridkv.core.store import TieredStore
 from hybridkv.core.tiers.memory import MemoryTier
@@ -61,6 +63,10 @@ class WorkerStats:
     promoted_entries: int = 0  # read from disk into CPU memory
     failed_promotions: int = 0
     hook_errors: int = 0  # exceptions caught at the connector boundary
+    # Bytes of entries read out of each tier: CPU memory by restores, lower tiers by
+    # promotions.
+    read_bytes: dict[str, int] = field(default_factory=dict)
+    cpu_evictions: int = 0  # entries dropped from CPU memory on the index's orders
 
 
 @dataclass
@@ -73,6 +79,7 @@ class _Landing:
     landing: Landing
     items: list[tuple[bytes, torch.Tensor | None, bool]]
     hold: list[torch.Tensor | None] = field(default_factory=list)
+    started: float | None = None  # perf_counter() when a step's stores began (timed)
 
 
 @dataclass
@@ -103,6 +110,8 @@ class WorkerSide:
         # Stores still being copied out, oldest first (see `_land`).
         self._landing: list[_Landing] = []
         self.stats = WorkerStats()
+        # Latencies observed since the last `metrics` call: {histogram: {tier: [s]}}.
+        self._latencies: Observations = {}
         if isinstance(store.cpu, MemoryTier):
             store.cpu.on_evict = self.lost
 
@@ -173,7 +182,9 @@ class WorkerSide:
                 batch.extend((kc.copy, e) for kc, e in zip(job.copies, entries, strict=True))
                 batch_reqs.append(job.req_id)
             if batch_reqs:
+                started = time.perf_counter()
                 self.copies.scatter(batch)
+                self._observe("load_seconds", "cpu", started)
         except Exception:
             # Blocks may be half written; vLLM recomputes every one of these requests.
             log.exception("hybridkv: restoring %d requests failed", len(meta.loads))
@@ -185,6 +196,7 @@ class WorkerSide:
             return
         self._received.update(batch_reqs)
         self.stats.loads += len(batch_reqs)
+        self._count_read("cpu", (e for _, e in batch))
         for c, _ in batch:
             self.stats.loaded_blocks += len(c.block_ids)
             self.stats.loaded_bytes += len(c.block_ids) * self.planner.groups[c.group].block_bytes
@@ -227,11 +239,14 @@ class WorkerSide:
         read: list[tuple[bytes, str, torch.Tensor | None]] = []
         for name, keys in by_tier.items():
             tier = self.store.tier(name)
+            started = time.perf_counter()
             try:
                 entries = tier.get_many(keys) if tier is not None else [None] * len(keys)
             except Exception:
                 log.exception("hybridkv: promoting %d entries from %s failed", len(keys), name)
                 entries = [None] * len(keys)
+            self._observe("load_seconds", name, started)
+            self._count_read(name, (e for e in entries if e is not None))
             read += [(k, name, e) for k, e in zip(keys, entries, strict=True)]
         results = []
         with self._lock:
@@ -263,6 +278,7 @@ class WorkerSide:
         tagged = [tc for job in meta.stores for tc in job.tagged]
         if not copies and not tagged:
             return
+        started = time.perf_counter()
         try:
             entries, landing = self.copies.gather_async([c.copy for c in (*copies, *tagged)])
         except Exception:
@@ -273,7 +289,7 @@ class WorkerSide:
         if landing is None:
             self._store(items)
             return
-        self._landing.append(_Landing(landing, items, entries))
+        self._landing.append(_Landing(landing, items, entries, started))
         for tc, entry in zip(tagged, entries[len(copies) :], strict=True):
             self._staged[tc.tag] = (entry, landing)
 
@@ -308,6 +324,8 @@ class WorkerSide:
                 pending.items = [(key, None, cpu) for key, _, cpu in pending.items]
             self._landing.pop(0)
             self._store(pending.items)
+            if pending.started is not None:
+                self._observe("store_seconds", "cpu", pending.started)
 
     @property
     def staged_entries(self) -> int:
@@ -358,7 +376,7 @@ class WorkerSide:
         with self._lock:
             for key in orders.evict:
                 entry = self.store.cpu.get(key) if self.store.evicts_below else None
-                self.store.cpu.delete(key)
+                self.stats.cpu_evictions += int(self.store.cpu.delete(key))
                 if entry is not None:
                     self.store.evicted(key, entry)
             for key in orders.delete:
@@ -385,6 +403,40 @@ class WorkerSide:
         if disk is not None:
             disk.rescan_if_stale()
         return report
+
+    # ---- metrics ------------------------------------------------------------------------------
+    def _observe(self, histogram: str, tier: str, started: float) -> None:
+        """Record the seconds since `started` (promotion threads call it too)."""
+        elapsed = time.perf_counter() - started
+        with self._lock:
+            self._latencies.setdefault(histogram, {}).setdefault(tier, []).append(elapsed)
+
+    def _count_read(self, tier: str, entries: Iterable[torch.Tensor]) -> None:
+        n = sum(e.numel() * e.element_size() for e in entries)
+        with self._lock:
+            self.stats.read_bytes[tier] = self.stats.read_bytes.get(tier, 0) + n
+
+    def metrics(self) -> tuple[Figures, Figures, Observations]:
+        """Cumulative counters and current gauges by tier, and the latencies observed
+        since the last call, for reports (core/metrics.py)."""
+        tiers = self.store.stats()
+        counters: Figures = {
+            "evictions": {name: s.evictions for name, s in tiers.items()},
+            "dropped_stores": {
+                name: s.dropped_puts + s.rejected_puts + s.write_errors for name, s in tiers.items()
+            },
+            "damaged_entries": {name: s.corrupt for name, s in tiers.items()},
+        }
+        counters["evictions"]["cpu"] += self.stats.cpu_evictions
+        gauges = {
+            "occupancy_bytes": {name: s.bytes_used for name, s in tiers.items()},
+            "tier_up": {t.name: int(t.up) for t in self.store.tiers},
+        }
+        with self._lock:  # promotion threads add to these
+            counters["loaded_bytes"] = dict(self.stats.read_bytes)
+            counters["stored_bytes"] = dict(self.store.stored_bytes)
+            latencies, self._latencies = self._latencies, {}
+        return counters, gauges, latencies
 
     def transfer_results(self) -> TransferResults:
         """Loads finished since the last call: failed ones are received too (vLLM must

@@ -56,6 +56,11 @@ class Tier(ABC):
     @abstractmethod
     def stats(self) -> TierStats: ...
 
+    @property
+    def up(self) -> bool:
+        """Whether the tier serves now; tiers that can go down (Redis) override it."""
+        return True
+
     def clear(self) -> None:  # noqa: B027 - optional
         """Drop every entry (used by `reset_cache`)."""
 
