@@ -14,7 +14,13 @@ from hybridkv.cli.demo import Arch, Size
 
 Out = Annotated[Path, typer.Option(help="JSON result (the PNG plot is written beside it)")]
 ArchOpt = Annotated[Arch, typer.Option(help="model architecture")]
+SizeOpt = Annotated[Size, typer.Option(help="model size")]
+Model = Annotated[str | None, typer.Option(help="model directory (default: built)")]
+PromptTokens = Annotated[int, typer.Option(help="prompt length")]
 Repeats = Annotated[int, typer.Option(help="prompts timed (p50/p90 over them)")]
+CpuBytes = Annotated[str, typer.Option(help="hybridkv's CPU memory")]
+KvCacheBytes = Annotated[str, typer.Option(help="vLLM's own KV cache")]
+Tp = Annotated[int, typer.Option(help="tensor-parallel ranks (`mp` executor)")]
 Quick = Annotated[bool, typer.Option(help="tiny model, short prompts, 2 repeats (~1 min)")]
 Redis = Annotated[
     str | None,
@@ -56,13 +62,13 @@ def _ttft_settings(
 @bench.command()
 def ttft(
     arch: ArchOpt = Arch.qwen3_next,
-    size: Annotated[Size, typer.Option(help="model size")] = Size.small,
-    model: Annotated[str | None, typer.Option(help="model directory (default: built)")] = None,
-    prompt_tokens: Annotated[int, typer.Option(help="prompt length")] = 8192,
+    size: SizeOpt = Size.small,
+    model: Model = None,
+    prompt_tokens: PromptTokens = 8192,
     repeats: Repeats = 3,
-    cpu_bytes: Annotated[str, typer.Option(help="hybridkv's CPU memory")] = "4GiB",
-    kv_cache_bytes: Annotated[str, typer.Option(help="vLLM's own KV cache")] = "2GiB",
-    tp: Annotated[int, typer.Option(help="tensor-parallel ranks (`mp` executor)")] = 1,
+    cpu_bytes: CpuBytes = "4GiB",
+    kv_cache_bytes: KvCacheBytes = "2GiB",
+    tp: Tp = 1,
     restart: Annotated[bool, typer.Option(help="also time a restart from disk")] = False,
     quick: Quick = False,
     redis: Redis = None,
@@ -81,13 +87,13 @@ def ttft(
 @bench.command("restart")
 def restart_cmd(
     arch: ArchOpt = Arch.qwen3_next,
-    size: Annotated[Size, typer.Option(help="model size")] = Size.small,
-    model: Annotated[str | None, typer.Option(help="model directory (default: built)")] = None,
-    prompt_tokens: Annotated[int, typer.Option(help="prompt length")] = 8192,
+    size: SizeOpt = Size.small,
+    model: Model = None,
+    prompt_tokens: PromptTokens = 8192,
     repeats: Repeats = 3,
-    cpu_bytes: Annotated[str, typer.Option(help="hybridkv's CPU memory")] = "4GiB",
-    kv_cache_bytes: Annotated[str, typer.Option(help="vLLM's own KV cache")] = "2GiB",
-    tp: Annotated[int, typer.Option(help="tensor-parallel ranks (`mp` executor)")] = 1,
+    cpu_bytes: CpuBytes = "4GiB",
+    kv_cache_bytes: KvCacheBytes = "2GiB",
+    tp: Tp = 1,
     quick: Quick = False,
     redis: Redis = None,
     json: Out = Path("hybridkv-bench/restart.json"),
@@ -126,8 +132,8 @@ def hit_rate(
         typer.Option("--budget-mib", help="CPU budget, repeatable (default 4 8 16 32 64)"),
     ] = None,
     arch: ArchOpt = Arch.qwen3_next,
-    size: Annotated[Size, typer.Option(help="model size")] = Size.tiny,
-    model: Annotated[str | None, typer.Option(help="model directory (default: built)")] = None,
+    size: SizeOpt = Size.tiny,
+    model: Model = None,
     kv_cache_mib: Annotated[
         float | None, typer.Option(help="the engine's own KV cache [default: 4, quick: 2]")
     ] = None,
