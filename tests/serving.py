@@ -405,3 +405,11 @@ async def cancel_after(coro: Any, delay: float) -> bool:
 async def gather_all(coros: list[Any]) -> list[Any]:
     """All at once; exceptions are returned in place, so every failure can be counted."""
     return await asyncio.gather(*coros, return_exceptions=True)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (the shorter length if one is a prefix)."""
+    if a == b:
+        return None
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import tokens
+from serving import first_difference
 
 from hybridkv.engine import generate, scheduler_connector, worker_connector
 
@@ -42,11 +43,19 @@ def same_output_where_comparable(arch: str, first, second) -> int:
     round 1 already had a prefix hit of the same length: vLLM's own hit from the same
     KV bytes, the exact reference.
     """
-    compared = 0
+    compared, diverged = 0, []
     for i, (a, b) in enumerate(zip(first, second, strict=True)):
         if arch == "qwen3-next" or a.num_cached_tokens == b.num_cached_tokens:
-            assert a.token_ids == b.token_ids, i
+            at = first_difference(a.token_ids, b.token_ids)
+            if at is not None:
+                diverged.append((i, at))
             compared += 1
+    # Gemma-3's CPU kernels also vary, rarely, with the batch (tests/test_server.py's
+    # `batch_noise`): on an AMD EPYC host one request in 50 left round 1 at its 7th token,
+    # at 88459b2 as well. A wrong restore changes many requests, and from their first
+    # token on.
+    allowed = 0 if arch == "qwen3-next" else 2
+    assert len(diverged) <= allowed and all(at > 0 for _, at in diverged), diverged
     return compared
 
 

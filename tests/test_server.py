@@ -34,6 +34,7 @@ from serving import (
     Server,
     cancel_after,
     complete,
+    first_difference,
     gather_all,
     hybridkv_stats,
     log_problems,
@@ -159,14 +160,6 @@ def documents_and_questions(
         for q in range(per_doc)
         for d in range(n_docs)
     ]
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (the shorter length if one is a prefix)."""
-    if a == b:
-        return None
-    pairs = enumerate(zip(a, b, strict=False))
-    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
 def divergences(
