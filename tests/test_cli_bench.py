@@ -80,7 +80,6 @@ def test_bench_hit_rate_quick(model_dirs, tmp_path):
     # what vLLM's prefix cache no longer holds.
     assert f["connector_hit_rate"] > 0 and f["loaded_bytes"] > 0
     assert f["token_hit_rate"] == pytest.approx(f["local_hit_rate"] + f["connector_hit_rate"])
-    assert f["token_hit_rate"] <= result["trace"]["reuse_bound"] + 1e-9
     assert "hit_rate-quick.png" in proc.stdout
     check_png(tmp_path / "hit_rate-quick.png")
 
