@@ -34,12 +34,9 @@ from pathlib import Path
 
 from common import RESULTS
 
+from hybridkv.benchmarks.figures import percentile
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def summary(gaps: list[float]) -> dict[str, float]:
@@ -80,6 +77,9 @@ def main() -> None:
     p.add_argument("--prefix-tokens", type=int, default=15360, help="a chunk-size multiple")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--alone-steps", type=int, default=120)
+    p.add_argument(
+        "--load-step-bytes", default="64MiB", help="hybridkv's load_step_bytes (0: no limit)"
+    )
     p.add_argument("--disk-path", help="disk tier directory (default: a new temporary one)")
     p.add_argument("--json", type=Path, default=RESULTS / "stall.json")
     args = p.parse_args()
@@ -103,7 +103,12 @@ def main() -> None:
     room = args.prefix_tokens + 64
     llm = make_llm(
         str(model),
-        {"cpu_bytes": "4GiB", "disk_path": str(disk), "disk_bytes": "16GiB"},
+        {
+            "cpu_bytes": "4GiB",
+            "disk_path": str(disk),
+            "disk_bytes": "16GiB",
+            "load_step_bytes": args.load_step_bytes,
+        },
         kv_cache_bytes=2 << 30,
         max_model_len=room,
         max_num_batched_tokens=room,
@@ -173,6 +178,7 @@ def main() -> None:
         "prefixes": args.prefixes,
         "prefix_tokens": args.prefix_tokens,
         "rounds": args.rounds,
+        "load_step_bytes": args.load_step_bytes,
         "disk_bytes_per_round": disk_bytes,
         "loaded_bytes_per_round": loaded // max(args.rounds, 1),
         "restored_tokens_per_round": restored_tokens // max(args.rounds, 1),

@@ -48,33 +48,135 @@ def engine_factory():
 ENGINE_PROC = os.path.join(os.path.dirname(__file__), "engine_proc.py")
 
 
+def _child_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+
+
+class _Zygote:
+    """One process per test session that has imported vLLM and forks engine processes
+    on request (engine_proc.py --zygote): each engine then starts in about a quarter of
+    a fresh interpreter's time."""
+
+    _instance: _Zygote | None = None
+
+    def __init__(self) -> None:
+        import atexit
+        import subprocess
+        import sys
+        import tempfile
+
+        self.path = os.path.join(tempfile.mkdtemp(prefix="hybridkv-zygote-"), "sock")
+        self.proc = subprocess.Popen(
+            [sys.executable, ENGINE_PROC, "--zygote", self.path],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_child_env(),
+        )
+        line = self.proc.stdout.readline()
+        if line.strip() != "READY":
+            raise RuntimeError(f"engine zygote did not start: {line!r}")
+        atexit.register(self.proc.kill)
+
+    @classmethod
+    def get(cls) -> _Zygote:
+        if cls._instance is None or cls._instance.proc.poll() is not None:
+            cls._instance = cls()
+        return cls._instance
+
+
+class _Forked:
+    """The engine process a zygote forked: what the tests use of `subprocess.Popen`."""
+
+    def __init__(self, stdin: int, stdout: int) -> None:
+        import json
+        import socket
+
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.connect(_Zygote.get().path)
+        env = json.dumps(_child_env()).encode()
+        self._conn.sendall(len(env).to_bytes(8, "little"))
+        socket.send_fds(self._conn, [env], [stdin, stdout])
+        self.pid = int.from_bytes(self._recv(8), "little")
+        self.returncode: int | None = None
+
+    def _recv(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self._conn.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("engine zygote: the helper went away")
+            data += chunk
+        return data
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        if self.returncode is None:
+            self._conn.settimeout(timeout)
+            try:
+                code = self._recv(8)
+            except TimeoutError:
+                raise subprocess.TimeoutExpired("engine process", timeout) from None
+            self.returncode = int.from_bytes(code, "little", signed=True)
+            self._conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            import select
+
+            if select.select([self._conn], [], [], 0)[0]:
+                return self.wait()
+        return self.returncode
+
+    def kill(self) -> None:
+        import signal
+
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
 class EngineProc:
-    """An engine in a new Python process (see engine_proc.py), with no PYTHONHASHSEED.
+    """An engine in a new Python process (see engine_proc.py): forked by the session's
+    zygote, or a fresh interpreter with no PYTHONHASHSEED (`fresh`: keys must not
+    depend on Python's hash seed, which forked processes share).
 
     Its output is drained by a thread: processes that wait on each other must never block
     on a full pipe, and a pipe (unlike a file) is not cut short by a file-size limit.
     """
 
-    def __init__(self, spec: dict):
+    def __init__(self, spec: dict, fresh: bool = False):
         import json
         import subprocess
         import sys
         import threading
 
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-        self.proc = subprocess.Popen(
-            [sys.executable, ENGINE_PROC],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        self.proc.stdin.write(json.dumps(spec))
-        self.proc.stdin.close()
+        if fresh:
+            self.proc = subprocess.Popen(
+                [sys.executable, ENGINE_PROC],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=_child_env(),
+            )
+            stdin, stdout = self.proc.stdin, self.proc.stdout
+        else:
+            in_r, in_w = os.pipe()
+            out_r, out_w = os.pipe()
+            try:
+                self.proc = _Forked(in_r, out_w)
+            finally:
+                os.close(in_r)
+                os.close(out_w)
+            stdin, stdout = os.fdopen(in_w, "wb"), os.fdopen(out_r, "rb")
         self._out: list[str] = []
-        self._reader = threading.Thread(target=lambda: self._out.extend(self.proc.stdout))
+        self._reader = threading.Thread(
+            target=lambda: self._out.extend(line.decode(errors="replace") for line in stdout)
+        )
         self._reader.start()
+        with stdin:
+            stdin.write(json.dumps(spec).encode())
 
     def kill(self) -> None:
         """SIGKILL: no exit hook runs, queued writes are lost mid-way."""
@@ -93,5 +195,5 @@ class EngineProc:
         return json.loads(lines[-1][len("RESULT ") :])
 
 
-def run_engine_proc(spec: dict) -> dict:
-    return EngineProc(spec).result()
+def run_engine_proc(spec: dict, fresh: bool = False) -> dict:
+    return EngineProc(spec, fresh).result()

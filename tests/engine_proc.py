@@ -9,15 +9,24 @@ own prefix cache and hybridkv's CPU tier first, so only the disk can serve a hit
 the worker in this process only), {"op": "reset"} (empty vLLM's own prefix cache only),
 {"op": "flush"}, {"op": "touch", "path"}, {"op": "wait", "path", "timeout"?},
 {"op": "limit_file_size", "bytes"}.
+
+`python engine_proc.py --zygote SOCKET` imports vLLM once (about 75 % of an engine
+process's start) and then forks one such engine process per request on the Unix socket
+(see `zygote`); conftest.EngineProc uses it so the suite stays within CI's time.
 """
 
 from __future__ import annotations
 
+import array
+import atexit
 import dataclasses
 import json
 import os
 import resource
+import signal
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -81,5 +90,101 @@ def main() -> None:
     # be finished by hybridkv's exit hook.
 
 
+def zygote(path: str) -> None:
+    """Serve engine processes forked from this one, which has imported vLLM already.
+
+    A request on the Unix socket `path` carries the engine's stdin and stdout as file
+    descriptors and its environment as JSON. A forked helper forks the engine process
+    (a child of a process that ran no engine and no torch kernel: only imports, and the
+    helper's own threads are gone after fork), sends its pid back, waits for it and sends
+    its exit status (negative: the signal that killed it). Every engine process shares
+    this process's hash seed; keys never depend on Python's hash (a fresh process for a
+    restart test shows it).
+    """
+    import vllm  # noqa: F401
+    import vllm.entrypoints.llm  # noqa: F401
+    import vllm.v1.engine.llm_engine  # noqa: F401
+    import vllm.v1.worker.gpu_model_runner  # noqa: F401
+
+    import hybridkv.engine  # noqa: F401
+
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(16)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the helpers reap themselves
+    print("READY", flush=True)
+    while True:
+        conn, _ = server.accept()
+        if os.fork() == 0:
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os._exit(_helper(conn))
+        conn.close()
+
+
+def _helper(conn: socket.socket) -> int:
+    size = int.from_bytes(_recv_exactly(conn, 8), "little")
+    fds = array.array("i")
+    data, ancdata, _, _ = conn.recvmsg(size, socket.CMSG_LEN(2 * fds.itemsize))
+    data += _recv_exactly(conn, size - len(data))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    stdin, stdout = fds
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        os.environ.clear()
+        os.environ.update(json.loads(data))
+        os.dup2(stdin, 0)
+        os.dup2(stdout, 1)
+        os.dup2(stdout, 2)
+        os.close(stdin)
+        os.close(stdout)
+        os._exit(_run_engine())
+    os.close(stdin)
+    os.close(stdout)
+    conn.sendall(pid.to_bytes(8, "little"))
+    _, status = os.waitpid(pid, 0)
+    conn.sendall(os.waitstatus_to_exitcode(status).to_bytes(8, "little", signed=True))
+    return 0
+
+
+def _run_engine() -> int:
+    """`main`, then what an interpreter does on its way out (join threads, run atexit
+    hooks: the disk tier finishes its queued writes there), without returning into the
+    zygote's loop."""
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("engine zygote: connection closed")
+        data += chunk
+    return data
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--zygote"]:
+        zygote(sys.argv[2])
+    else:
+        main()

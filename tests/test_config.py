@@ -102,6 +102,14 @@ def test_unknown_key():
         HybridKVConfig.from_dict({"zzz": 1, "a_setting": 2, "cpu_bytes": 1})
 
 
+def test_load_step_bytes_is_a_size_and_0_means_no_limit():
+    assert HybridKVConfig.from_dict({"load_step_bytes": "16MiB"}).load_step_bytes == 16 * MiB
+    assert HybridKVConfig.from_dict({"load_step_bytes": 0}).load_step_bytes == 0
+    for bad in (-1, "fast", True, None):
+        with pytest.raises(ConfigError, match=r"^load_step_bytes: "):
+            HybridKVConfig.from_dict({"load_step_bytes": bad})
+
+
 @pytest.mark.parametrize("value", ["every", "", None, "PROMPT_AND_END", 1])
 def test_bad_checkpoint_policy(value):
     with pytest.raises(ConfigError, match=r"^checkpoint_policy: "):
@@ -308,6 +316,7 @@ def test_flat_attributes_without_tiers():
     assert (cfg.redis_cluster, cfg.redis_ttl_s, cfg.redis_key_prefix) == (False, None, "hybridkv")
     assert (cfg.redis_timeout_ms, cfg.redis_max_entry_bytes) == (200, 8 * MiB)
     assert cfg.eviction_alpha == 1.0 and cfg.integrity_key is None and cfg.config_file is None
+    assert cfg.load_step_bytes == 64 * MiB
 
 
 def test_frozen_and_hashable(tmp_path):

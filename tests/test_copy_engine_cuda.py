@@ -123,7 +123,8 @@ def test_an_async_store_returns_before_it_lands_and_later_writes_wait_for_it():
 
 def test_a_load_lands_after_the_compute_stream_zeroes_and_before_it_reads():
     """vLLM zeroes a newly allocated block on the compute stream, then the connector
-    loads into it, then the forward reads it: the load must land between the two."""
+    loads into it, then (once the load is reported landed) the forward reads it: the
+    load must land between the two."""
     _, gpu, _, engine = pair(2)
     ids = (2, 5, 9)
     entry = engine.pool.empty(len(ids) * LAYERS * PAGE["full"])
@@ -131,8 +132,10 @@ def test_a_load_lands_after_the_compute_stream_zeroes_and_before_it_reads():
     compute = torch.cuda.current_stream()
     busy()
     gpu.buf.zero_()  # vLLM's zeroing of new blocks, still queued behind the sleep
-    engine.scatter([(EntryCopy(0, 0, (0, 1, 2), ids), entry)])
+    landing = engine.scatter([(EntryCopy(0, 0, (0, 1, 2), ids), entry)])
     assert not compute.query(), "scatter blocked the host until the GPU was idle"
+    assert not landing.done(), "a load reported landed while the GPU is still busy"
+    landing.wait()  # the worker reports the load only now; vLLM's forward comes after
     seen = gpu.kv_caches["full.0"].view(torch.int8).reshape(NB, -1)[list(ids)].clone()  # forward
     torch.cuda.synchronize()
     expect = entry.view(LAYERS, len(ids), PAGE["full"])[0]

@@ -71,7 +71,8 @@ def test_restarted_engine_hits_what_the_previous_process_stored(arch, model_dirs
     assert json.loads((layout_dir / "layout.json").read_text())["fingerprint"] == layout_dir.name
     assert entry_files(tmp_path) and not entry_files(tmp_path, "*.tmp")
 
-    b = run_engine_proc({**spec, "steps": [gen("restored", prompt)]})
+    # B is a fresh interpreter: another hash seed than A's (forked by the zygote).
+    b = run_engine_proc({**spec, "steps": [gen("restored", prompt)]}, fresh=True)
     restored = b["runs"]["restored"]
     assert restored["num_cached_tokens"] == hit_tokens(b["chunk_tokens"])
     assert b["stats"]["disk"]["hits"] > 0 and b["stats"]["disk"]["corrupt"] == 0

@@ -56,35 +56,35 @@ def test_an_engine_restores_what_another_stored_in_redis(arch, cluster, model_di
     assert snap["held_entries"] == 0
 
 
-@pytest.mark.parametrize("favoured", ["disk", "redis"])
-def test_load_weights_pick_the_tier_that_serves_and_the_hit_stays_in_cpu(
-    favoured, model_dirs, tmp_path
-):
+def test_load_weights_pick_the_tier_that_serves_and_the_hit_stays_in_cpu(model_dirs, tmp_path):
+    """One engine stores a prompt in both lower tiers; a new engine favouring disk, then
+    one favouring Redis, each restores it from the tier it favours only."""
     prompt = tokens(PROMPT, seed=91)
-    weights = {"disk": 1.0, "redis": 1.0, favoured: 2.0}
     with redis_server() as server:
 
-        def extra() -> dict:
-            return {
-                "tiers": [
-                    {"kind": "cpu", "bytes": "64MiB"},
-                    {"kind": "disk", "path": str(tmp_path), "load_weight": weights["disk"]},
-                    {"kind": "redis", "url": server.url, "load_weight": weights["redis"]},
-                ]
-            }
+        def spec(favoured: str | None) -> dict:
+            weights = {"disk": 1.0, "redis": 1.0}
+            if favoured is not None:
+                weights[favoured] = 2.0
+            tiers = [
+                {"kind": "cpu", "bytes": "64MiB"},
+                {"kind": "disk", "path": str(tmp_path), "load_weight": weights["disk"]},
+                {"kind": "redis", "url": server.url, "load_weight": weights["redis"]},
+            ]
+            return {"model": model_dirs["qwen3-next"], "extra": {"tiers": tiers}}
 
-        spec = {"model": model_dirs["qwen3-next"], "extra": extra()}
-        run_engine_proc({**spec, "steps": [gen("cold", prompt), {"op": "flush"}]})
-        b = run_engine_proc(
-            {**spec, "steps": [gen("restored", prompt), gen("from_cpu", prompt, fresh=False)]}
-        )
-    hit = hit_tokens(b["chunk_tokens"])
-    assert b["runs"]["restored"]["num_cached_tokens"] == hit
-    promoted = b["snapshot"]["promoted_from"]
-    assert set(promoted) == {favoured}, promoted
-    # The next request hits (vLLM's own cache or hybridkv's CPU memory), with no new reads.
-    assert b["runs"]["from_cpu"]["num_cached_tokens"] >= hit
-    assert same_output(b["runs"]["from_cpu"], b["runs"]["restored"])
+        run_engine_proc({**spec(None), "steps": [gen("cold", prompt), {"op": "flush"}]})
+        steps = [gen("restored", prompt), gen("from_cpu", prompt, fresh=False)]
+        restores = {f: run_engine_proc({**spec(f), "steps": steps}) for f in ("disk", "redis")}
+    for favoured, b in restores.items():
+        hit = hit_tokens(b["chunk_tokens"])
+        assert b["runs"]["restored"]["num_cached_tokens"] == hit
+        promoted = b["snapshot"]["promoted_from"]
+        assert set(promoted) == {favoured}, promoted
+        # The next request hits (vLLM's own cache or hybridkv's CPU memory), no new reads.
+        assert b["runs"]["from_cpu"]["num_cached_tokens"] >= hit
+        assert same_output(b["runs"]["from_cpu"], b["runs"]["restored"])
+    assert same_output(restores["disk"]["runs"]["restored"], restores["redis"]["runs"]["restored"])
 
 
 def damage_every_value(raw) -> int:

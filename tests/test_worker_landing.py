@@ -1,6 +1,7 @@
 """Worker: stores whose bytes are still being copied out (a GPU side stream) reach the
 tiers only once they have landed, serve loads meanwhile, and follow the orders given
-while they were in flight.
+while they were in flight; loads write at most `load_step_bytes` a step and are
+reported only once every entry has landed in its blocks.
 
 On a CPU cache every store lands at once, so the GPU's pending state is made here by
 holding the `Landing` the copy engine returns open (the one fault this file fakes: no
@@ -25,7 +26,7 @@ from hybridkv.vllm.metadata import (
     TaggedCopy,
     TagName,
 )
-from hybridkv.vllm.worker_side import WorkerSide
+from hybridkv.vllm.worker_side import TransferResults, WorkerSide
 
 BLOCK_TOKENS, PAGE, BLOCKS = 16, 64, 8
 
@@ -154,3 +155,83 @@ def test_a_failed_copy_drops_its_stores_once_and_reports_them_lost(worker):
     held[1].land()
     ws.report()
     assert ws.store.cpu.contains(b"b")  # later stores land as before
+
+
+def put_entries(ws, cache, keys_blocks: list[tuple[bytes, int]]) -> None:
+    """Store block `b` of the cache under each key (landed at once)."""
+    for key, b in keys_blocks:
+        ws.store.cpu.put(key, cache[b].clone().reshape(-1))
+
+
+def load_meta(req_id: str, keys_blocks: list[tuple[bytes, int]]) -> HybridKVMetadata:
+    copies = [KeyedCopy(k, EntryCopy(0, i, (0,), (b,))) for i, (k, b) in enumerate(keys_blocks)]
+    return HybridKVMetadata(loads=[RequestLoad(req_id, copies)])
+
+
+def test_loads_spread_over_steps_within_the_budget_oldest_first(worker):
+    ws, cache, _ = worker
+    ws.load_step_bytes = 2 * PAGE  # two one-block entries a step
+    put_entries(ws, cache, [(b"a", 0), (b"b", 1), (b"c", 2), (b"d", 3)])
+    expect = cache[:4].clone()
+    cache[4:].zero_()
+    ws.begin_step(load_meta("p", [(b"a", 4), (b"b", 5), (b"c", 6)]))
+    assert ws.transfer_results().received == set()
+    assert torch.equal(cache[4:6], expect[:2]) and not cache[6].any()
+    # The entries the load holds stay readable after the tier lets them go.
+    ws.store.cpu.clear()
+    ws.begin_step(load_meta("q", [(b"d", 7)]))  # queued behind p; the tier lost d already
+    done = ws.transfer_results()
+    assert done.failed == {"q"} and done.received == {"q", "p"}
+    assert torch.equal(cache[6], expect[2])
+    assert ws.stats.loads == 1 and ws.stats.loaded_blocks == 3
+
+
+def test_a_load_bigger_than_the_budget_still_moves_an_entry_a_step(worker):
+    ws, cache, _ = worker
+    ws.load_step_bytes = 1
+    put_entries(ws, cache, [(b"a", 0), (b"b", 1)])
+    ws.begin_step(load_meta("p", [(b"a", 4), (b"b", 5)]))
+    assert ws.transfer_results().received == set()
+    ws.begin_step(HybridKVMetadata(idle=True))
+    assert ws.transfer_results().received == {"p"}
+    assert torch.equal(cache[4:6], cache[0:2])
+
+
+def test_a_load_is_reported_only_once_its_copy_has_landed(worker, monkeypatch):
+    ws, cache, _ = worker
+    put_entries(ws, cache, [(b"a", 0)])
+    copy_held = Held()
+    scatter = ws.copies.scatter
+
+    def slow_scatter(loads):
+        scatter(loads)
+        return copy_held
+
+    monkeypatch.setattr(ws.copies, "scatter", slow_scatter)
+    ws.begin_step(load_meta("p", [(b"a", 4)]))
+    assert ws.transfer_results().received == set(), "vLLM would read blocks still being written"
+    copy_held.land()
+    assert ws.transfer_results().received == {"p"}
+
+
+def test_a_failed_load_copy_fails_every_request_it_touched_and_later_ones_load(worker, monkeypatch):
+    ws, cache, _ = worker
+    ws.load_step_bytes = 2 * PAGE
+    put_entries(ws, cache, [(b"a", 0), (b"b", 1), (b"c", 2)])
+    scatter = ws.copies.scatter
+    calls = []
+
+    def flaky_scatter(loads):
+        calls.append(len(loads))
+        if len(calls) == 1:
+            raise RuntimeError("device error")
+        return scatter(loads)
+
+    monkeypatch.setattr(ws.copies, "scatter", flaky_scatter)
+    meta = load_meta("p", [(b"a", 4)])
+    meta.loads += load_meta("q", [(b"b", 5), (b"c", 6)]).loads
+    ws.begin_step(meta)  # p and q's first entry: the copy fails, both are recomputed
+    done = ws.transfer_results()
+    assert done.failed == {"p", "q"} and done.received == {"p", "q"}
+    ws.begin_step(load_meta("r", [(b"c", 6)]))  # nothing of q is left to write
+    assert ws.transfer_results() == TransferResults({"r"}, set()) and calls == [2, 1]

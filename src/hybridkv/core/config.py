@@ -584,6 +584,10 @@ class HybridKVConfig(_Model):
     # Weight of prefill saved per byte against recency when CPU memory evicts recurrent
     # boundaries (core/eviction.py); 0 is LRU over whole boundaries.
     eviction_alpha: NonNegative = 1.0
+    # Bytes each rank writes into its KV cache for restores in one engine step; the rest
+    # waits for the next steps, so a large restore does not stall decoding requests
+    # (the GPU copies overlap forwards; a CPU engine copies in the step). 0: no limit.
+    load_step_bytes: Size = 64 * MiB
     # Serve the vllm:hybridkv_* metrics over HTTP on this port from the scheduler side's
     # process, for engines without vLLM's server (offline LLM); off by default.
     metrics_port: Port | None = None

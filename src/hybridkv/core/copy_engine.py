@@ -18,8 +18,12 @@ bytes travel and how the copies are ordered against the engine's own work.
     own offloading connector) would come too late for recurrent blocks; the GPU-side
     wait is right by construction and costs the copy's time on the GPU, never a CPU
     stall.
-  - a load makes the compute stream wait on an event: the forward that reads the
-    blocks runs after it. An entry stays referenced until the copy that reads it has run.
+  - a load (`scatter`) returns a `Landing` too, and the compute stream does not wait
+    for it: the blocks belong to a request that vLLM keeps out of every forward until
+    the connector reports its load finished, which the worker does only once the
+    landing is done (and an aborted request's blocks are not freed before that report
+    either). A large restore thus overlaps the forwards of the requests decoding
+    meanwhile. An entry stays referenced until the copy that reads it has run.
   Loads and stores share the side stream, so a load that reads an entry whose store
   has not landed yet still reads complete bytes.
 """
@@ -38,7 +42,8 @@ from hybridkv.core.row_copy import copy_rows
 
 
 class Landing:
-    """When the host entries of a store are complete (at once on a CPU cache)."""
+    """When a copy's bytes are complete: a store's host entries, a load's blocks (at
+    once on a CPU cache)."""
 
     def __init__(self, event: torch.cuda.Event | None = None):
         self._event = event
@@ -97,14 +102,15 @@ class CopyEngine:
         compute.wait_event(done)
         return outs, Landing(done)
 
-    def scatter(self, loads: Sequence[tuple[EntryCopy, torch.Tensor]]) -> None:
-        """Write rows `slots` of each entry into engine blocks `block_ids`."""
+    def scatter(self, loads: Sequence[tuple[EntryCopy, torch.Tensor]]) -> Landing:
+        """Write rows `slots` of each entry into engine blocks `block_ids`; the blocks
+        hold them once the `Landing` is done."""
         if not self.cuda:
             copy_rows(self._host_table([c for c, _ in loads], [e for _, e in loads], True))
-            return
+            return LANDED
         self._inflight = [(ev, held) for ev, held in self._inflight if not ev.query()]
         if not loads:
-            return
+            return LANDED
         # The kernel reads host entries in place, which the GPU can only do in pinned
         # memory. Entries from the pool are pinned; any other is pinned as a copy.
         entries = [e if e.is_pinned() else e.pin_memory() for _, e in loads]
@@ -116,8 +122,8 @@ class CopyEngine:
             self._copy_rows_cuda(table, self.device)
         done = torch.cuda.Event()
         done.record(stream)
-        compute.wait_event(done)
         self._inflight.append((done, entries))
+        return Landing(done)
 
     def _host_table(
         self, copies: Sequence[EntryCopy], entries: Sequence[torch.Tensor], to_engine: bool

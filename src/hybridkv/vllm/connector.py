@@ -216,7 +216,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             pin = vllm_config.device_config.device_type == "cuda"
             bound = _CPU_BOUND_FACTOR * self.config.cpu_bytes // ranks
             store = TieredStore.from_config(self.config, self.layout, pin, bound)
-            self.worker_side = WorkerSide(self.planner, store, vllm_config.parallel_config.rank)
+            self.worker_side = WorkerSide(
+                self.planner,
+                store,
+                vllm_config.parallel_config.rank,
+                load_step_bytes=self.config.load_step_bytes,
+            )
             self._reporter = metrics.Reporter(f"rank{self.worker_side.rank}")
         self._all_groups = tuple(range(len(self.layout.groups)))
         log.info(

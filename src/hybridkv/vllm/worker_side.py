@@ -5,9 +5,10 @@ orders say; it decides nothing.
 Each step (vLLM calls the hooks in this order):
 1. `begin_step` (`start_load_kv`): a clear first, if ordered; then the entries tagged in
    earlier steps that the scheduler side names now, stored (or dropped); then the step's
-   loads, written from CPU memory into their blocks in one batch (a load may read an
-   entry just named); then promotions, handed to a background thread (a disk read never
-   holds up the step).
+   loads, queued behind earlier ones with their entries held, and written from CPU
+   memory into their blocks in one batch of at most `load_step_bytes` (a load may read
+   an entry just named); then promotions, handed to a background thread (a disk read
+   never holds up the step).
 2. `end_step` (`wait_for_save`): the step's stores, copied out while their blocks are
    sure to be intact, into CPU memory and the disk queue once their bytes have landed
    (at once on a CPU cache; on a GPU the copy runs on a side stream and the entries wait
@@ -16,7 +17,8 @@ Each step (vLLM calls the hooks in this order):
    deletions (after the stores: an entry stored and evicted in one step ends up evicted,
    as the index has it, also while it is still landing).
 3. `report` (`build_connector_worker_meta`): promotions done, disk entries come and
-   gone, entries lost; and `transfer_results`: the requests whose loads are done.
+   gone, entries lost; and `transfer_results`: the requests whose every entry has
+   landed in its blocks.
 
 Every hit is an asynchronous load in vLLM's terms: the request is not in the step's
 forward while its blocks are written, and a load that fails is reported for that one
@@ -83,16 +85,31 @@ class _Landing:
 
 
 @dataclass
+class _Restore:
+    """A request's load not reported yet: the entries still to write (held here: the
+    index may evict them once the load is sent, and a held entry's memory is not
+    reused), and the copy that wrote the last ones."""
+
+    req_id: str
+    pending: list[tuple[EntryCopy, torch.Tensor]]
+    landing: Landing = LANDED
+
+
+@dataclass
 class TransferResults:
     received: set[str]
     failed: set[str]
 
 
 class WorkerSide:
-    def __init__(self, planner: Planner, store: TieredStore, rank: int = 0):
+    def __init__(
+        self, planner: Planner, store: TieredStore, rank: int = 0, load_step_bytes: int = 0
+    ):
         self.planner = planner
         self.store = store
         self.rank = rank
+        self.load_step_bytes = load_step_bytes  # 0: every load in the step it is sent
+        self._restores: list[_Restore] = []  # loads not reported yet, oldest first
         self.copies: CopyEngine | None = None
         self.epoch = 0
         self._received: set[str] = set()
@@ -167,39 +184,63 @@ class WorkerSide:
                 self._report.listed = True
 
     def load(self, meta: HybridKVMetadata) -> None:
-        """Write every load of the step into its blocks, one batch for all requests. A
-        request with an entry missing from CPU memory (the index pinned it there, so only
-        a fault can cause this) or whose copy fails loads nothing and is reported failed.
-        """
+        """Queue the step's loads, then write queued entries into their blocks, oldest
+        first and one batch for all requests, up to `load_step_bytes` (at least one
+        entry): a large restore spreads over steps instead of stalling the requests that
+        decode meanwhile. A request with an entry missing from CPU memory (the index
+        pinned it there, so only a fault can cause this) loads nothing and is reported
+        failed; so is every request a failed copy touched."""
+        for job in meta.loads:
+            entries = None if job.failed else self._entries(job.req_id, job.copies)
+            if entries is None:
+                self._fail(job.req_id)
+            else:
+                pending = [(kc.copy, e) for kc, e in zip(job.copies, entries, strict=True)]
+                self._restores.append(_Restore(job.req_id, pending))
         batch: list[tuple[EntryCopy, torch.Tensor]] = []
-        batch_reqs: list[str] = []
+        touched: list[_Restore] = []
+        spent = 0
+        for restore in self._restores:
+            taken = len(batch)
+            while restore.pending:
+                copy = restore.pending[0][0]
+                size = len(copy.block_ids) * self.planner.groups[copy.group].block_bytes
+                if batch and self.load_step_bytes and spent + size > self.load_step_bytes:
+                    break
+                batch.append(restore.pending.pop(0))
+                spent += size
+            if len(batch) > taken:
+                touched.append(restore)
+            if restore.pending:  # the step's budget is spent
+                break
+        if not batch:
+            return
         try:
-            for job in meta.loads:
-                entries = None if job.failed else self._entries(job.req_id, job.copies)
-                if entries is None:
-                    self._fail(job.req_id)
-                    continue
-                batch.extend((kc.copy, e) for kc, e in zip(job.copies, entries, strict=True))
-                batch_reqs.append(job.req_id)
-            if batch_reqs:
-                started = time.perf_counter()
-                self.copies.scatter(batch)
-                self._observe("load_seconds", "cpu", started)
+            started = time.perf_counter()
+            landing = self.copies.scatter(batch)
+            self._observe("load_seconds", "cpu", started)
         except Exception:
             # Blocks may be half written; vLLM recomputes every one of these requests.
-            log.exception("hybridkv: restoring %d requests failed", len(meta.loads))
-            for job in meta.loads:
-                if job.req_id not in self._failed:
-                    self._fail(job.req_id)
+            log.exception("hybridkv: restoring %d requests failed", len(touched))
+            for restore in touched:
+                self._fail(restore.req_id)
+                self._restores.remove(restore)
             return
-        if not batch_reqs:
-            return
-        self._received.update(batch_reqs)
-        self.stats.loads += len(batch_reqs)
+        for restore in touched:
+            restore.landing = landing
         self._count_read("cpu", (e for _, e in batch))
-        for c, _ in batch:
-            self.stats.loaded_blocks += len(c.block_ids)
-            self.stats.loaded_bytes += len(c.block_ids) * self.planner.groups[c.group].block_bytes
+        self.stats.loaded_blocks += sum(len(c.block_ids) for c, _ in batch)
+        self.stats.loaded_bytes += spent
+
+    def _finish_loads(self) -> None:
+        """Report the requests whose every entry is written and landed (a GPU copy runs
+        on a side stream: vLLM schedules the request only once it is reported, so its
+        forward never reads a block still being written)."""
+        done = [r for r in self._restores if not r.pending and r.landing.done()]
+        for restore in done:
+            self._restores.remove(restore)
+            self._received.add(restore.req_id)
+        self.stats.loads += len(done)
 
     def _entries(self, req_id: str, copies: Sequence) -> list[torch.Tensor] | None:
         """The entries of a load from CPU memory, or from stores still landing (a load
@@ -328,6 +369,11 @@ class WorkerSide:
                 self._observe("store_seconds", "cpu", pending.started)
 
     @property
+    def restoring(self) -> int:
+        """Requests whose loads are not reported yet (entries still to write or landing)."""
+        return len(self._restores)
+
+    @property
     def staged_entries(self) -> int:
         """Entries kept under a tag, waiting for their names."""
         return len(self._staged)
@@ -441,6 +487,7 @@ class WorkerSide:
     def transfer_results(self) -> TransferResults:
         """Loads finished since the last call: failed ones are received too (vLLM must
         release the request from its wait either way)."""
+        self._finish_loads()
         out = TransferResults(self._received | self._failed, self._failed)
         self._received, self._failed = set(), set()
         return out
