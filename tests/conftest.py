@@ -61,6 +61,7 @@ class _Zygote:
 
     def __init__(self) -> None:
         import atexit
+        import shutil
         import subprocess
         import sys
         import tempfile
@@ -77,6 +78,7 @@ class _Zygote:
         if line.strip() != "READY":
             raise RuntimeError(f"engine zygote did not start: {line!r}")
         atexit.register(self.proc.kill)
+        atexit.register(shutil.rmtree, os.path.dirname(self.path), True)
 
     @classmethod
     def get(cls) -> _Zygote:
