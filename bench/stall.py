@@ -11,9 +11,10 @@ default). Then, in each of `--rounds` rounds:
             while the scheduler answers "ask again", then loads them all
 The decoder's inter-token gaps are the wall times between the engine steps that gave it
 a token. The figure is p99(gap while restoring) / p99(gap alone), gaps pooled over the
-rounds; p50 and the max are printed too. Each prompt is one token past a chunk boundary,
-so a restored request computes a single token: what the decoder waits for is the read
-and the load, not the restorers' own prefill.
+rounds; p50 and the max are printed too, and each round's restore window (the restore
+requests' arrival to the last one's end): how long the restorers waited. Each prompt is
+one token past a chunk boundary, so a restored request computes a single token: what the
+decoder waits for is the read and the load, not the restorers' own prefill.
 
     .venv/bin/python bench/stall.py                 # 8 x 15360 tokens (~265 MiB)
     .venv/bin/python bench/stall.py --prefixes 2 --prefix-tokens 3840 --rounds 1  # quick
@@ -138,6 +139,7 @@ def main() -> None:
     alone: list[float] = []
     restoring: list[float] = []
     restored_tokens = 0
+    windows: list[float] = []  # per round: the restore requests' arrival to the last's end
     loaded = worker_connector().worker_side.stats.loaded_bytes
     for r in range(args.rounds):
         llm.reset_prefix_cache()
@@ -156,6 +158,7 @@ def main() -> None:
         for i, prompt in enumerate(prefixes):
             engine.add_request(f"restore-{r}-{i}", TokensPrompt(prompt_token_ids=prompt), params(1))
         waiting = {f"restore-{r}-{i}" for i in range(len(prefixes))}
+        started = time.perf_counter()
         while waiting:
             outs, gap = tracker.step(engine)
             if gap is not None:
@@ -164,6 +167,7 @@ def main() -> None:
                 if rid in waiting and o.finished:
                     waiting.discard(rid)
                     restored_tokens += o.num_cached_tokens or 0
+        windows.append(time.perf_counter() - started)
         engine.abort_request([decoder])
         while engine.has_unfinished_requests():
             engine.step()
@@ -182,6 +186,7 @@ def main() -> None:
         "disk_bytes_per_round": disk_bytes,
         "loaded_bytes_per_round": loaded // max(args.rounds, 1),
         "restored_tokens_per_round": restored_tokens // max(args.rounds, 1),
+        "restore_window_s": windows,
         "alone": summary(alone),
         "restoring": summary(restoring),
         "snapshot": side.snapshot(),
@@ -203,6 +208,7 @@ def main() -> None:
             f"  max {s['max_ms']:7.1f} ms"
         )
     print(f"p99 ratio {result['p99_ratio']:.2f}  (p50 ratio {result['p50_ratio']:.2f})")
+    print("restore windows: " + ", ".join(f"{w:.2f} s" for w in windows))
 
 
 if __name__ == "__main__":

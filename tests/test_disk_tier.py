@@ -886,3 +886,25 @@ def test_reads_land_in_recycled_pool_slots(make_tier):
     assert tier.get(key(2)) is None and tier.stats().corrupt == 1
     assert_entry(tier.get(key(3)), items[key(3)])
     assert pool.slab_count == 1
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread priority is Linux's")
+def test_reads_and_writes_run_below_the_engines_priority(make_tier):
+    """On vLLM's CPU build the model's threads share the cores with these: at equal
+    priority a disk restore slowed every decode step several times over."""
+    import threading
+
+    from hybridkv.core.background import NICENESS
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    tier = make_tier(writers=1)
+    expected = min(19, niceness() + NICENESS)
+    assert tier._readers.submit(niceness).result() == expected
+    writers = [t.native_id for t in tier._threads]
+    deadline = time.monotonic() + 10  # a writer lowers its own on its first run
+    while [os.getpriority(os.PRIO_PROCESS, tid) for tid in writers] != [expected]:
+        assert time.monotonic() < deadline, "the disk writer runs at the engine's priority"
+        time.sleep(0.01)
+    assert niceness() < expected  # the calling (engine) thread keeps its own

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridkv.core.background import lower_priority
 from hybridkv.core.canonical import build_canonical
 from hybridkv.core.copy_engine import LANDED, CopyEngine, Landing
 from hybridkv.core.index import Orders, WorkerReport
@@ -119,7 +120,9 @@ class WorkerSide:
         self._lock = threading.RLock()
         # The first report lists the whole disk tier (what earlier processes stored).
         self._report = WorkerReport(listed=store.disk is not None)
-        self._promoter = ThreadPoolExecutor(1, thread_name_prefix="hybridkv-promote")
+        self._promoter = ThreadPoolExecutor(
+            1, thread_name_prefix="hybridkv-promote", initializer=lower_priority
+        )
         self._promotions: list[Future] = []
         self._idle = False
         # Entries gathered before their keys were known, by tag, until named or dropped.

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from hybridkv.core.background import lower_priority
 from hybridkv.core.keys import KEY_BYTES
 from hybridkv.core.tiers.base import TierStats
 from hybridkv.core.tiers.entry_file import FILE_VERSION, EntryFileError, read_entry, write_entry
@@ -238,7 +239,9 @@ class DiskTier(QueuedTier):
         for t in self._threads:
             t.start()
         # Reads of one hit run in parallel: file reads and checksums release the GIL.
-        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="hybridkv-read")
+        self._readers = ThreadPoolExecutor(
+            readers, thread_name_prefix="hybridkv-read", initializer=lower_priority
+        )
         # Daemon writers die with the interpreter: drain the queue first.
         atexit.register(self.close)
 
@@ -533,6 +536,7 @@ class DiskTier(QueuedTier):
             discard(self.path_of(key))
 
     def _writer(self) -> None:
+        lower_priority()
         while True:
             key = self._queue.get()
             try:

@@ -63,6 +63,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
+from hybridkv.core.background import lower_priority
 from hybridkv.core.tiers.base import TierStats
 from hybridkv.core.tiers.entry_file import (
     HEADER_BYTES,
@@ -410,6 +411,7 @@ class RedisTier(QueuedTier):
 
     # ---- writes -------------------------------------------------------------------------------
     def _write_loop(self) -> None:
+        lower_priority()
         while True:
             item = self._queue.get()
             batch = [item]
