@@ -235,3 +235,36 @@ def test_a_failed_load_copy_fails_every_request_it_touched_and_later_ones_load(w
     assert done.failed == {"p", "q"} and done.received == {"p", "q"}
     ws.begin_step(load_meta("r", [(b"c", 6)]))  # nothing of q is left to write
     assert ws.transfer_results() == TransferResults({"r"}, set()) and calls == [2, 1]
+
+
+def test_a_load_whose_copy_cannot_say_it_landed_fails_instead_of_waiting(worker, monkeypatch):
+    ws, cache, _ = worker
+    put_entries(ws, cache, [(b"a", 0)])
+    broken = Held()
+
+    def device_error() -> bool:
+        raise RuntimeError("device error")
+
+    broken.done = device_error
+    scatter = ws.copies.scatter
+
+    def broken_scatter(loads):
+        scatter(loads)
+        return broken
+
+    monkeypatch.setattr(ws.copies, "scatter", broken_scatter)
+    ws.begin_step(load_meta("p", [(b"a", 4)]))
+    assert ws.transfer_results() == TransferResults({"p"}, {"p"})
+    assert ws.restoring == 0 and ws.transfer_results() == TransferResults(set(), set())
+
+
+def test_a_load_with_a_bad_plan_fails_alone(worker):
+    ws, cache, _ = worker
+    ws.load_step_bytes = PAGE  # p's second entry waits for the next step
+    put_entries(ws, cache, [(b"a", 0), (b"b", 1)])
+    ws.begin_step(load_meta("p", [(b"a", 4), (b"b", 5)]))
+    assert ws.transfer_results().received == set()
+    bad = KeyedCopy(b"a", EntryCopy(7, 0, (0,), (6,)))  # no group 7
+    ws.begin_step(HybridKVMetadata(loads=[RequestLoad("q", [bad])]))
+    assert ws.transfer_results() == TransferResults({"p", "q"}, {"q"})
+    assert torch.equal(cache[4:6], cache[0:2]) and ws.restoring == 0

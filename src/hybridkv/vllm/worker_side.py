@@ -200,6 +200,27 @@ class WorkerSide:
             else:
                 pending = [(kc.copy, e) for kc, e in zip(job.copies, entries, strict=True)]
                 self._restores.append(_Restore(job.req_id, pending))
+        batch, touched, spent = self._next_batch()  # every entry's group checked above
+        if not batch:
+            return
+        try:
+            started = time.perf_counter()
+            landing = self.copies.scatter(batch)
+            self._observe("load_seconds", "cpu", started)
+        except Exception:
+            # Blocks may be half written; vLLM recomputes every one of these requests.
+            log.exception("hybridkv: restoring %d requests failed", len(touched))
+            self._drop_failed(touched)
+            return
+        for restore in touched:
+            restore.landing = landing
+        self._count_read("cpu", (e for _, e in batch))
+        self.stats.loaded_blocks += sum(len(c.block_ids) for c, _ in batch)
+        self.stats.loaded_bytes += spent
+
+    def _next_batch(self) -> tuple[list[tuple[EntryCopy, torch.Tensor]], list[_Restore], int]:
+        """Queued entries to write this step, oldest first, up to `load_step_bytes` (at
+        least one); the restores they belong to; their bytes."""
         batch: list[tuple[EntryCopy, torch.Tensor]] = []
         touched: list[_Restore] = []
         spent = 0
@@ -216,30 +237,30 @@ class WorkerSide:
                 touched.append(restore)
             if restore.pending:  # the step's budget is spent
                 break
-        if not batch:
-            return
-        try:
-            started = time.perf_counter()
-            landing = self.copies.scatter(batch)
-            self._observe("load_seconds", "cpu", started)
-        except Exception:
-            # Blocks may be half written; vLLM recomputes every one of these requests.
-            log.exception("hybridkv: restoring %d requests failed", len(touched))
-            for restore in touched:
-                self._fail(restore.req_id)
-                self._restores.remove(restore)
-            return
-        for restore in touched:
-            restore.landing = landing
-        self._count_read("cpu", (e for _, e in batch))
-        self.stats.loaded_blocks += sum(len(c.block_ids) for c, _ in batch)
-        self.stats.loaded_bytes += spent
+        return batch, touched, spent
+
+    def _drop_failed(self, restores: list[_Restore]) -> None:
+        """Report `restores` failed (vLLM recomputes them) and stop writing them."""
+        for restore in restores:
+            self._fail(restore.req_id)
+            self._restores.remove(restore)
 
     def _finish_loads(self) -> None:
         """Report the requests whose every entry is written and landed (a GPU copy runs
         on a side stream: vLLM schedules the request only once it is reported, so its
-        forward never reads a block still being written)."""
-        done = [r for r in self._restores if not r.pending and r.landing.done()]
+        forward never reads a block still being written). A copy that cannot say it
+        landed (a device error) fails its requests: they must not wait forever."""
+        done, broken = [], []
+        for restore in self._restores:
+            if restore.pending:
+                continue
+            try:
+                if restore.landing.done():
+                    done.append(restore)
+            except Exception:
+                log.exception("hybridkv: a load's copy failed; %s is recomputed", restore.req_id)
+                broken.append(restore)
+        self._drop_failed(broken)
         for restore in done:
             self._restores.remove(restore)
             self._received.add(restore.req_id)
@@ -254,14 +275,14 @@ class WorkerSide:
                 landing[kc.key] if kc.key in landing else self.store.cpu.get(kc.key)
                 for kc in copies
             ]
-        except Exception:
+            missing = [
+                kc.key
+                for e, kc in zip(entries, copies, strict=True)
+                if e is None or e.numel() != self.planner.entry_bytes(kc.copy.group)
+            ]
+        except Exception:  # a tier's fault, or a plan naming no group of the layout
             log.exception("hybridkv: reading the entries of %s failed", req_id)
             return None
-        missing = [
-            kc.key
-            for e, kc in zip(entries, copies, strict=True)
-            if e is None or e.numel() != self.planner.entry_bytes(kc.copy.group)
-        ]
         if missing:
             log.warning("hybridkv: %d entries of %s are not in CPU memory", len(missing), req_id)
             with self._lock:
