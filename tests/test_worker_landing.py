@@ -197,17 +197,22 @@ def test_a_load_bigger_than_the_budget_still_moves_an_entry_a_step(worker):
     assert torch.equal(cache[4:6], cache[0:2])
 
 
+def loads_land_with(ws, monkeypatch, landing: Landing) -> None:
+    """Loads write their blocks at once (CPU) but say they land when `landing` does."""
+    scatter = ws.copies.scatter
+
+    def scatter_until(loads):
+        scatter(loads)
+        return landing
+
+    monkeypatch.setattr(ws.copies, "scatter", scatter_until)
+
+
 def test_a_load_is_reported_only_once_its_copy_has_landed(worker, monkeypatch):
     ws, cache, _ = worker
     put_entries(ws, cache, [(b"a", 0)])
     copy_held = Held()
-    scatter = ws.copies.scatter
-
-    def slow_scatter(loads):
-        scatter(loads)
-        return copy_held
-
-    monkeypatch.setattr(ws.copies, "scatter", slow_scatter)
+    loads_land_with(ws, monkeypatch, copy_held)
     ws.begin_step(load_meta("p", [(b"a", 4)]))
     assert ws.transfer_results().received == set(), "vLLM would read blocks still being written"
     copy_held.land()
@@ -246,13 +251,7 @@ def test_a_load_whose_copy_cannot_say_it_landed_fails_instead_of_waiting(worker,
         raise RuntimeError("device error")
 
     broken.done = device_error
-    scatter = ws.copies.scatter
-
-    def broken_scatter(loads):
-        scatter(loads)
-        return broken
-
-    monkeypatch.setattr(ws.copies, "scatter", broken_scatter)
+    loads_land_with(ws, monkeypatch, broken)
     ws.begin_step(load_meta("p", [(b"a", 4)]))
     assert ws.transfer_results() == TransferResults({"p"}, {"p"})
     assert ws.restoring == 0 and ws.transfer_results() == TransferResults(set(), set())
