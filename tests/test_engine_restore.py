@@ -78,6 +78,35 @@ def test_shared_prefix_hits_only_shared_part(engine):
     llm.reset_prefix_cache()
 
 
+def test_branch_point_gets_a_state_and_serves_the_next_sibling(engine):
+    """Prompts forking from one prefix inside an earlier prompt's chunk: no request has
+    left a recurrent state at the fork, so the first sibling finds the shared attention
+    chunks but no boundary. hybridkv has vLLM checkpoint the fork during that sibling's
+    prefill (its shared-prefix junction), stores the state, and the next sibling resumes
+    there, with vLLM's own prefix cache emptied between them."""
+    arch, llm = engine
+    side = scheduler_connector(llm).scheduler_side
+    if not side._state_groups:
+        pytest.skip("no recurrent groups: a hit needs no state at the fork")
+    C = _chunk(llm)
+    first = tokens(4 * C + 40, seed=41)  # its prompt checkpoint is at 4 chunks
+    generate(llm, [first])
+    llm.reset_prefix_cache()
+    shared = 2 * C + 30
+    asked = side.stats.junctions
+    sibling = generate(llm, [first[:shared] + tokens(2 * C, seed=42)])[0]
+    assert sibling.num_cached_tokens == 0, "no state at the fork before this sibling"
+    assert side.stats.junctions == asked + 1
+    llm.reset_prefix_cache()
+    nxt = first[:shared] + tokens(2 * C, seed=43)
+    restored = generate(llm, [nxt])[0]
+    assert restored.num_cached_tokens == 2 * C
+    native = generate(llm, [nxt])[0]
+    assert restored.token_ids == native.token_ids
+    assert restored.logprobs == native.logprobs
+    llm.reset_prefix_cache()
+
+
 def test_cache_salt_separates(engine):
     arch, llm = engine
     prompt = tokens(600, seed=4)

@@ -44,7 +44,7 @@ def test_orphans_go_before_any_boundary():
     index.take_orders()
     assert index.admit(chunk(3, 0), 550)  # 400 free: 150 more
     assert evicted(index) == {chunk(2, 0), chunk(2, 1), chunk(2, 2)}
-    assert index.has_boundary(chunk(1, 3, STATE))
+    assert index.boundary_id(chunk(1, 3, STATE))
     assert index.stats.evicted_orphans == 3 and index.stats.evicted_boundaries == 0
 
 
@@ -56,7 +56,8 @@ def test_a_boundary_leaves_whole_with_the_chunks_only_it_needed():
     assert index.admit(chunk(3, 0), 500)  # 400 free: one boundary goes
     out = evicted(index)
     assert out == {k for k, _ in states(1, 1)} | {chunk(1, 0), chunk(1, 1)}
-    assert not index.has_boundary(chunk(1, 1, STATE)) and index.has_boundary(chunk(2, 1, STATE))
+    assert index.boundary_id(chunk(1, 1, STATE)) is None
+    assert index.boundary_id(chunk(2, 1, STATE))
 
 
 def test_a_shared_head_stays_while_a_boundary_needs_it():
@@ -73,6 +74,68 @@ def test_a_shared_head_stays_while_a_boundary_needs_it():
     out = evicted(index)
     assert out == {k for k, _ in states(1, 0)}  # chunk 0 is still needed by the other
     assert index.in_cpu(chunk(1, 0))
+
+
+def boundary(index: StoreIndex, chain: int, at: int, parent: int | None = None) -> bool:
+    """A boundary after chunk `at` of a chain whose chunks are admitted already;
+    `parent`: the chunk of the chain's previous boundary."""
+    needs = [chunk(chain, c) for c in range(at + 1)]
+    pid = None if parent is None else index.boundary_id(chunk(chain, parent, STATE))
+    return index.admit_boundary(states(chain, at), needs, (at + 1) * 10, 250, pid)
+
+
+def chunks(index: StoreIndex, chain: int, n: int) -> None:
+    for c in range(n):
+        assert index.admit(chunk(chain, c), 50)
+
+
+def test_a_superseded_boundary_goes_before_older_ones():
+    index = StoreIndex(cpu_capacity=1000, recurrent=True)
+    chunks(index, 2, 1)
+    assert boundary(index, 2, 0)  # the oldest: another conversation
+    chunks(index, 1, 2)
+    assert boundary(index, 1, 0)  # turn 1 of a conversation
+    assert boundary(index, 1, 1, parent=0)  # turn 2 extends it
+    index.take_orders()
+    assert index.admit(chunk(9, 0), 300)  # 150 free: 150 more
+    assert evicted(index) == {k for k, _ in states(1, 0)}  # only its states: chunk 0 is needed
+    assert index.boundary_id(chunk(2, 0, STATE)) and index.boundary_id(chunk(1, 1, STATE))
+    assert index.stats.evicted_superseded == 1 and index.stats.evicted_boundaries == 0
+
+
+def test_a_branch_point_is_not_superseded():
+    index = StoreIndex(cpu_capacity=1100, recurrent=True)
+    chunks(index, 2, 1)
+    assert boundary(index, 2, 0)  # the oldest, another chain
+    chunks(index, 1, 2)
+    assert boundary(index, 1, 0)  # the fork
+    assert boundary(index, 1, 1, parent=0)  # one branch...
+    index.admit(chunk(3, 0), 50)  # (the other branch's own chunk)
+    fork = index.boundary_id(chunk(1, 0, STATE))
+    assert index.admit_boundary(states(3, 0), [chunk(1, 0), chunk(3, 0)], 20, 250, fork)
+    index.take_orders()
+    assert index.admit(chunk(9, 0), 200)  # 100 free: 100 more
+    assert evicted(index) == {*(k for k, _ in states(2, 0)), chunk(2, 0)}  # by utility
+    assert index.boundary_id(chunk(1, 0, STATE)) == fork
+    assert index.stats.evicted_superseded == 0 and index.stats.evicted_boundaries == 1
+
+
+def test_children_follow_their_parent_when_it_leaves():
+    index = StoreIndex(cpu_capacity=1000, recurrent=True)
+    chunks(index, 1, 3)
+    assert boundary(index, 1, 0)
+    assert boundary(index, 1, 1, parent=0)
+    assert boundary(index, 1, 2, parent=1)
+    index.touch([chunk(1, 0, STATE)])  # the middle one is now the least recently used
+    index.take_orders()
+    assert index.admit(chunk(9, 0), 300)  # 250 free: 50 more
+    assert evicted(index) == {k for k, _ in states(1, 1)}
+    index.pin([chunk(9, 0)])  # (an orphan: it would go first)
+    # The last one's parent is now the first, which it alone extends: superseded too.
+    assert index.admit(chunk(9, 1), 200)  # 150 free: 50 more
+    assert evicted(index) == {k for k, _ in states(1, 0)}
+    assert index.boundary_id(chunk(1, 2, STATE))
+    assert index.stats.evicted_superseded == 2
 
 
 def test_utility_prefers_recent_and_efficient_boundaries():
@@ -92,7 +155,7 @@ def test_lost_state_drops_its_boundary_and_its_sibling_becomes_an_orphan():
     from hybridkv.core.index import WorkerReport
 
     index.apply(0, WorkerReport(lost=[chunk(1, 1, STATE)]))
-    assert not index.has_boundary(chunk(1, 1, STATE + 1))
+    assert index.boundary_id(chunk(1, 1, STATE + 1)) is None
     index.take_orders()
     assert index.admit(chunk(2, 0), 10_000)  # everything else is now an orphan
     assert chunk(1, 1, STATE + 1) in evicted(index)
@@ -123,7 +186,15 @@ def test_budget_pins_and_whole_boundaries_hold_under_any_sequence(ops, capacity,
             at = n - 1
             if all(index.in_cpu(chunk(chain, c)) for c in range(n)):
                 needs = [chunk(chain, c) for c in range(n)]
-                index.admit_boundary(states(chain, at), needs, n * 10, 200 + 50 * n)
+                parent = next(
+                    (
+                        b
+                        for c in range(at - 1, -1, -1)
+                        if (b := index.boundary_id(chunk(chain, c, STATE)))
+                    ),
+                    None,
+                )
+                index.admit_boundary(states(chain, at), needs, n * 10, 200 + 50 * n, parent)
         elif op == "chunk":
             index.admit(chunk(chain + 10, n), 50 * n)
         elif op == "pin":
@@ -139,6 +210,11 @@ def test_budget_pins_and_whole_boundaries_hold_under_any_sequence(ops, capacity,
         # A pinned entry is never evicted.
         assert all(index.in_cpu(k) for k, was in before.items() if was and k in pinned)
         # Every boundary counted has all its states in CPU memory.
-        for b in index._boundaries.values():
+        for bid, b in index._boundaries.items():
             assert all(index.in_cpu(k) for k in b.states)
+            # The chain tree links only boundaries in CPU memory, both ways.
+            assert b.parent is None or bid in index._children[b.parent]
+        for bid, children in index._children.items():
+            assert children and bid in index._boundaries
+            assert all(index._boundaries[c].parent == bid for c in children)
     index.take_orders()

@@ -52,3 +52,27 @@ def test_prompt_and_end_examples():
 @given(pol=policies("every_chunk"), n=st.integers(0, 3000), boundary=st.integers(1, 4000))
 def test_every_chunk_stores_every_boundary(pol, n, boundary):
     assert pol.decide(boundary * pol.chunk_tokens, n) is StateAction.STORE
+
+
+@given(
+    pol=policies("prompt_and_end"),
+    n=st.integers(0, 3000),
+    boundary=st.integers(1, 4000),
+    junction=st.integers(0, 4000),
+)
+def test_the_branch_point_is_stored_as_well(pol, n, boundary, junction):
+    boundary *= pol.chunk_tokens
+    junction *= pol.chunk_tokens
+    ck = pol.prompt_checkpoint(n)
+    action = pol.decide(boundary, n, junction)
+    if boundary == junction and boundary < ck:
+        assert action is StateAction.STORE
+    else:  # the junction changes nothing else
+        assert action is pol.decide(boundary, n)
+
+
+def test_branch_point_examples():
+    pol = CheckpointPolicy("prompt_and_end", 64)
+    assert pol.decide(128, 300, junction=128) is StateAction.STORE  # fork inside the prompt
+    assert pol.decide(192, 300, junction=128) is None  # not the fork
+    assert pol.decide(320, 300, junction=320) is StateAction.STAGE  # past the checkpoint

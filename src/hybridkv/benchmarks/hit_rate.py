@@ -133,13 +133,6 @@ def source_of(rev: str | None) -> dict[str, Any]:
     }
 
 
-def block_tokens(arch: str, size: str) -> int:
-    """Tokens per vLLM block (the hit granularity) of this repo's models with prefix
-    caching on, as measured on the CPU build: vLLM raises the attention block so a page
-    holds the recurrent state."""
-    return {("qwen3-next", "tiny"): 256, ("qwen3-next", "small"): 640}.get((arch, size), 16)
-
-
 def run_trace(trace: Trace, args: HitRateSettings, model: str, tmp: Path) -> dict[str, Any]:
     path = tmp / f"{trace.name}.jsonl"
     trace.save(path)
@@ -176,8 +169,9 @@ def run_trace(trace: Trace, args: HitRateSettings, model: str, tmp: Path) -> dic
                 flush=True,
             )
             runs.append({"figures": fig, "raw": run})
+    block = max(run["raw"].get("block_tokens") or 0 for run in runs)
     return {
-        "trace": trace.summary(block_tokens(args.arch, args.size)),
+        "trace": trace.summary(block),
         "trace_params": trace.params,
         "arch": args.arch,
         "size": args.size,

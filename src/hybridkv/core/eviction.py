@@ -15,7 +15,9 @@ Following Marconi (Pan et al., 2024), the utility of a boundary is
 with both terms scaled to [0, 1] over the boundaries that could be evicted now:
 recency is the boundary's last use (admission or hit) on the index's logical clock,
 min-max scaled; efficiency is tokens saved per byte kept, B / own_bytes, divided by the
-largest among them. The boundary with the lowest utility is evicted first. Prefill cost
+largest among them. The boundary with the lowest utility is evicted first. Before any of them go the
+*superseded* boundaries (core/index.py): those with exactly one longer boundary of their
+chain in CPU memory, which serves every request that follows the same path further. Prefill cost
 is taken as linear in B: the recurrent and MLP layers of a hybrid model dominate, and
 the quadratic attention term would only favour long boundaries more. `alpha` (config
 `eviction_alpha`, default 1.0) was chosen by replaying the traces of bench/hit_rate.py
@@ -37,6 +39,7 @@ class Boundary:
     needs: tuple[bytes, ...]  # attention entries a hit here also reads
     own_bytes: int  # its states plus the chunks after the chain's previous boundary
     used: int  # logical time of its last use
+    parent: bytes | None = None  # the chain's previous boundary in CPU memory
 
 
 def utility(candidates: Sequence[Boundary], alpha: float) -> Callable[[Boundary], float]:

@@ -26,7 +26,14 @@ boundary plus the attention chunks before it. So the index keeps boundaries
 (`core/eviction.py`) and evicts, in this order, until the new entry fits:
 1. orphans: attention chunks no boundary in CPU memory needs (least recently used
    first): without a state at or after them they serve no hit;
-2. whole boundaries, lowest utility first (recency combined with prefill saved per byte,
+2. superseded boundaries, least recently used first: those with exactly one *child* (a
+   longer boundary of the same chain, admitted while this one was in CPU memory). The
+   child serves every request that follows the path further, so this one serves only a
+   request that forks between the two; a conversation's earlier turns are the common
+   case. Only their states go: the child needs their chunks. A boundary with two or more
+   children is a branch point and keeps its place (Marconi keeps its radix tree's
+   single-child nodes last for the same reason);
+3. whole boundaries, lowest utility first (recency combined with prefill saved per byte,
    `eviction.utility`), each with the chunks only it needed.
 A boundary's states are admitted, and evicted, together: one state without the others
 serves nothing.
@@ -53,6 +60,7 @@ class IndexStats:
     cpu_full: int = 0  # entries not admitted to CPU memory: the rest of it was pinned
     evicted_orphans: int = 0  # attention chunks evicted because no boundary needed them
     evicted_boundaries: int = 0  # boundaries evicted for their low utility
+    evicted_superseded: int = 0  # boundaries evicted because one longer one served past them
 
 
 @dataclass
@@ -111,6 +119,7 @@ class StoreIndex:
         self._boundaries: dict[bytes, Boundary] = {}  # by its first state key
         self._boundary_of: dict[bytes, bytes] = {}  # state key -> its boundary's id
         self._needed_by: dict[bytes, set[bytes]] = {}  # attention key -> boundary ids
+        self._children: dict[bytes, set[bytes]] = {}  # boundary id -> its children's ids
         self._listed: set[int] | None = set() if disk else None
         self._cpu: OrderedDict[bytes, int] = OrderedDict()  # key -> bytes, LRU first
         self._used = 0
@@ -140,9 +149,9 @@ class StoreIndex:
         ranks = self._disk.get(key)
         return ranks is not None and len(ranks) >= self.ranks
 
-    def has_boundary(self, key: bytes) -> bool:
-        """`key` is a state of a boundary whose states are all in CPU memory."""
-        return key in self._boundary_of
+    def boundary_id(self, key: bytes) -> bytes | None:
+        """The id of the boundary `key` is a state of, if its states are all in CPU memory."""
+        return self._boundary_of.get(key)
 
     def on_tier(self, key: bytes, tier: str) -> bool:
         """In a tier below CPU memory, as far as the index knows."""
@@ -198,12 +207,18 @@ class StoreIndex:
                     self._boundaries[bid].used = self._tick
 
     def admit_boundary(
-        self, states: list[tuple[bytes, int]], needs: list[bytes], tokens: int, own_bytes: int
+        self,
+        states: list[tuple[bytes, int]],
+        needs: list[bytes],
+        tokens: int,
+        own_bytes: int,
+        parent: bytes | None = None,
     ) -> bool:
         """Count in the states of one boundary (key, bytes on one rank), all or none.
         `needs`: the attention entries a hit at `tokens` also reads; `own_bytes`: what
         keeping the boundary costs beyond what shorter boundaries of its chain already
-        cost (its states and the chunks after the previous boundary)."""
+        cost (its states and the chunks after the previous boundary); `parent`: that
+        previous boundary's id (`boundary_id`), if any."""
         new = [(key, n * self.ranks) for key, n in states if key not in self._cpu]
         if not new:
             self.touch(key for key, _ in states)
@@ -219,9 +234,17 @@ class StoreIndex:
             if old is not None and old != bid:
                 self._forget_boundary(old)
         self._tick += 1
+        parent = parent if parent in self._boundaries and parent != bid else None
         self._boundaries[bid] = Boundary(
-            tokens, tuple(k for k, _ in states), tuple(needs), own_bytes * self.ranks, self._tick
+            tokens,
+            tuple(k for k, _ in states),
+            tuple(needs),
+            own_bytes * self.ranks,
+            self._tick,
+            parent,
         )
+        if parent is not None:
+            self._children.setdefault(parent, set()).add(bid)
         for key, _ in states:
             self._boundary_of[key] = bid
         for key in needs:
@@ -295,8 +318,14 @@ class StoreIndex:
         candidates = [
             b for b in self._boundaries.values() if all(self._evictable(k) for k in b.states)
         ]
+        superseded = sorted(
+            (b for b in candidates if len(self._children.get(b.states[0], ())) == 1),
+            key=lambda b: b.used,
+        )
+        rest = [b for b in candidates if len(self._children.get(b.states[0], ())) != 1]
         gone: set[bytes] = set()
-        for b in sorted(candidates, key=utility(candidates, self.alpha)) if freed < needed else ():
+        order = [*superseded, *sorted(rest, key=utility(rest, self.alpha))]
+        for b in order if freed < needed else ():
             if freed >= needed:
                 break
             gone.add(b.states[0])
@@ -311,7 +340,11 @@ class StoreIndex:
         if freed < needed:
             return None
         self.stats.evicted_orphans += orphans
-        self.stats.evicted_boundaries += sum(1 for k in gone if k in self._boundaries)
+        n_superseded = sum(1 for b in superseded if b.states[0] in gone)
+        self.stats.evicted_superseded += n_superseded
+        self.stats.evicted_boundaries += (
+            sum(1 for k in gone if k in self._boundaries) - n_superseded
+        )
         return victims
 
     def evict_all(self) -> int:
@@ -340,6 +373,15 @@ class StoreIndex:
         b = self._boundaries.pop(bid)
         for key in b.states:
             self._boundary_of.pop(key, None)
+        # Its children now follow its parent (the chain's previous boundary left).
+        if b.parent is not None:
+            self._children[b.parent].discard(bid)
+        for child in self._children.pop(bid, ()):
+            self._boundaries[child].parent = b.parent
+            if b.parent is not None:
+                self._children[b.parent].add(child)
+        if b.parent is not None and not self._children[b.parent]:
+            del self._children[b.parent]
         for key in b.needs:
             users = self._needed_by.get(key)
             if users is not None:
@@ -437,6 +479,7 @@ class StoreIndex:
         self._boundaries.clear()
         self._boundary_of.clear()
         self._needed_by.clear()
+        self._children.clear()
         self._disk.clear()
         self.epoch += 1
         self.orders = Orders(clear=True)

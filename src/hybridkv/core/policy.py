@@ -6,7 +6,14 @@ wasteful. Following Marconi, the default keeps the states most likely to be reus
 
 * the prompt's last chunk boundary (a resend of the same prompt, or of a longer one); and
 * the last boundary reached when the request ends (the next turn of a conversation, whose
-  prompt extends this one's prompt and output).
+  prompt extends this one's prompt and output); and
+* the prompt's *branch point* (junction): the boundary where it stops sharing an earlier
+  prompt's prefix. Siblings that fork there (another question on the same document,
+  another branch of an agent's history, another chat on the same system prompt) resume
+  at it, and no earlier request left a state there: it sat inside that request's chunk.
+  The engine checkpoints it only when asked (vLLM: `Request.shared_prefix_boundary`,
+  which ends a prefill chunk there); the connector asks when its index holds the shared
+  prefix's attention chunks but no state at their end.
 
 `every_chunk` keeps every boundary offered.
 
@@ -37,11 +44,15 @@ class CheckpointPolicy:
         """The prompt's last chunk boundary that leaves at least one token to compute."""
         return max(num_prompt_tokens - 1, 0) // self.chunk_tokens * self.chunk_tokens
 
-    def decide(self, boundary: int, num_prompt_tokens: int) -> StateAction | None:
+    def decide(
+        self, boundary: int, num_prompt_tokens: int, junction: int = 0
+    ) -> StateAction | None:
+        """What to do with the state the engine wrote at `boundary`; `junction`: the
+        prompt's branch point, if one is known (0: none)."""
         if self.name == "every_chunk":
             return StateAction.STORE
         ckpt = self.prompt_checkpoint(num_prompt_tokens)
-        if boundary == ckpt:
+        if boundary == ckpt or (boundary == junction and boundary < ckpt):
             return StateAction.STORE
         if boundary > ckpt:
             return StateAction.STAGE

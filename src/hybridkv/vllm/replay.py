@@ -239,6 +239,8 @@ def main() -> None:
         "loadavg": [load_before, os.getloadavg()],
         "replay_s": replay,
         "connector": connector,
+        # vLLM's block (the hit granularity), as the engine resolved it for this model.
+        "block_tokens": llm.llm_engine.vllm_config.cache_config.block_size,
     }
     print("RESULT " + json.dumps(result), flush=True)
 

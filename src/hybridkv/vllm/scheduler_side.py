@@ -82,6 +82,8 @@ class SchedulerStats:
     # (a cap, not a forecast: tokens at and past the prompt's last boundary never count):
     short_of_chunks: int = 0  # the attention chunks stop there (never stored, or evicted)
     short_of_state: int = 0  # the chunks go further, but no boundary with every state does
+    # Lookups that asked vLLM to checkpoint the state at the prompt's branch point.
+    junctions: int = 0
 
 
 @dataclass(frozen=True)
@@ -244,12 +246,34 @@ class SchedulerSide:
             st.waiting_since = None
             st.hit = (local_tokens, boundary)
             st.hit_source, st.promoted_from = st.promoted_from or "cpu", None
-            self._count_lookup(L, keys, local_tokens, boundary, st.hit_source)
+            self._answered(request, keys, local_tokens, boundary, st.hit_source)
             return boundary - local_tokens
         self._pin(st, [])
         st.waiting_since = st.promoted_from = None
-        self._count_lookup(L, keys, local_tokens, 0, "none")
+        self._answered(request, keys, local_tokens, 0, "none")
         return 0
+
+    def _answered(
+        self, request: Request, keys: list[bytes], local_tokens: int, boundary: int, tier: str
+    ) -> None:
+        """Count an answered lookup whose hit (if any) ends at `boundary` and comes
+        from `tier`, and ask vLLM to checkpoint the recurrent state at the prompt's branch
+        point when one is missing (core/policy.py): the attention chunks of an earlier
+        prompt reach further than any boundary with a state. vLLM ends a prefill chunk at
+        `shared_prefix_boundary` (its own Marconi-style junction, which its local prefix
+        cache sets the same way) and hands the state there off like a prompt's."""
+        L = request.num_prompt_tokens
+        served = max(boundary, local_tokens)
+        reach = self._reach(keys, served, L)
+        self._count_lookup(L, local_tokens, served, reach, tier)
+        if (
+            self._state_groups
+            and self.policy is not None
+            and max(served, request.shared_prefix_boundary) < reach
+            and reach < self.policy.prompt_checkpoint(L)
+        ):
+            request.shared_prefix_boundary = reach
+            self.stats.junctions += 1
 
     def _probe(self, keys: list[bytes], local_tokens: int, num_prompt_tokens: int) -> bool:
         """Ask the shared tier about the prompt's entries CPU memory does not hold and
@@ -304,30 +328,34 @@ class SchedulerSide:
             key, self._entry_bytes(key), tier
         )
 
-    def _count_lookup(
-        self,
-        num_prompt_tokens: int,
-        keys: list[bytes],
-        local_tokens: int,
-        boundary: int,
-        tier: str,
-    ) -> None:
-        """Count an answered lookup whose hit (if any) comes from `tier`."""
-        self.stats.lookups += 1
-        _add(self.stats.lookups_by_tier, tier, 1)
-        self.stats.queried_tokens += max(num_prompt_tokens - local_tokens, 0)
-        served = max(boundary, local_tokens)
-        self.stats.miss_tokens += max(num_prompt_tokens - served, 0)
+    def _reach(self, keys: list[bytes], served: int, num_prompt_tokens: int) -> int:
+        """How far past `served` tokens the prompt's stored full-attention chunks run
+        without a gap (chunk-aligned, short of the prompt's last token): the prefix it
+        shares with an earlier prompt, as far as the index knows. `served` without
+        full-attention groups (nothing to measure a shared prefix by)."""
         C = self.planner.chunk_tokens
-        cap = self.planner.max_hit_chunks(num_prompt_tokens) * C
+        cap = self.planner.max_hit_chunks(num_prompt_tokens)
         attention = self._full_groups
+        if not attention:
+            return served
         reach = served // C
-        while attention and reach < len(keys) and reach * C < cap:
+        while reach < min(len(keys), cap):
             if not all(self.index.known(group_key(keys[reach], g)) for g in attention):
                 break
             reach += 1
-        reach = min(reach * C, cap) if attention else served
-        self.stats.short_of_state += max(reach - served, 0)
+        return max(reach * C, served)
+
+    def _count_lookup(
+        self, num_prompt_tokens: int, local_tokens: int, served: int, reach: int, tier: str
+    ) -> None:
+        """Count an answered lookup that served `served` tokens (vLLM's own and its hit
+        from `tier`) of a prompt whose stored chunks `reach` that far."""
+        self.stats.lookups += 1
+        _add(self.stats.lookups_by_tier, tier, 1)
+        self.stats.queried_tokens += max(num_prompt_tokens - local_tokens, 0)
+        self.stats.miss_tokens += max(num_prompt_tokens - served, 0)
+        cap = self.planner.max_hit_chunks(num_prompt_tokens) * self.planner.chunk_tokens
+        self.stats.short_of_state += max(min(reach, cap) - served, 0)
         self.stats.short_of_chunks += max(cap - max(reach, served), 0)
 
     def _wanted(self, keys: list[bytes], local: int, boundary: int) -> list[bytes]:
@@ -450,7 +478,9 @@ class SchedulerSide:
                     for c in self.planner.store_plan(chunks, block_ids)
                 ]
             for boundary, copies in states.items():
-                action = self.policy.decide(boundary, req.num_prompt_tokens)
+                action = self.policy.decide(
+                    boundary, req.num_prompt_tokens, req.shared_prefix_boundary
+                )
                 if action is not None:
                     plan += [(boundary, c, action is StateAction.STAGE) for c in copies]
             keyed = self._name(st, [(c, staged) for e, c, staged in plan if e <= known])
@@ -596,8 +626,9 @@ class SchedulerSide:
         return out
 
     def _admit_boundary(self, keys: list[bytes], boundary: int, states: list[KeyedCopy]) -> bool:
-        """Count a boundary's states into CPU memory, with what a hit there also reads and
-        what keeping it costs beyond the chain's previous boundary in CPU memory."""
+        """Count a boundary's states into CPU memory, with what a hit there also reads,
+        what keeping it costs beyond the chain's previous boundary in CPU memory, and
+        that boundary (its parent)."""
         C = self.planner.chunk_tokens
         attention = self._attention_groups
         needs = [
@@ -605,18 +636,18 @@ class SchedulerSide:
             for g in attention
             for c in self.planner.needed_chunks(g, 0, boundary)
         ]
-        previous = next(
+        previous, parent = next(
             (
-                c + 1
+                (c + 1, bid)
                 for c in range(boundary // C - 2, -1, -1)
-                if self.index.has_boundary(group_key(keys[c], self._state_groups[0]))
+                if (bid := self.index.boundary_id(group_key(keys[c], self._state_groups[0])))
             ),
-            0,
+            (0, None),
         )
         own = sum(self.planner.entry_bytes(kc.copy.group) for kc in states)
         own += (boundary // C - previous) * sum(self.planner.entry_bytes(g) for g in attention)
         sizes = [(kc.key, self.planner.entry_bytes(kc.copy.group)) for kc in states]
-        return self.index.admit_boundary(sizes, needs, boundary, own)
+        return self.index.admit_boundary(sizes, needs, boundary, own, parent)
 
     def _decode_boundary(self, req: Request, start: int, end: int) -> bool:
         """Whether this step ends decoding on a chunk boundary past the prompt's
