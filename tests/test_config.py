@@ -315,7 +315,7 @@ def test_flat_attributes_without_tiers():
     )
     assert (cfg.redis_cluster, cfg.redis_ttl_s, cfg.redis_key_prefix) == (False, None, "hybridkv")
     assert (cfg.redis_timeout_ms, cfg.redis_max_entry_bytes) == (200, 8 * MiB)
-    assert cfg.eviction_alpha == 1.0 and cfg.integrity_key is None and cfg.config_file is None
+    assert cfg.eviction_alpha == 0.25 and cfg.integrity_key is None and cfg.config_file is None
     assert cfg.load_step_bytes == 64 * MiB
 
 

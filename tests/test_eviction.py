@@ -120,6 +120,21 @@ def test_a_branch_point_is_not_superseded():
     assert index.stats.evicted_superseded == 0 and index.stats.evicted_boundaries == 1
 
 
+def test_a_branch_point_outlasts_newer_leaves():
+    index = StoreIndex(cpu_capacity=1100, recurrent=True)
+    chunks(index, 1, 1)
+    assert boundary(index, 1, 0)  # the fork: the oldest, and the least efficient
+    fork = index.boundary_id(chunk(1, 0, STATE))
+    for chain in (3, 4):  # two branches, each with its own chunk
+        index.admit(chunk(chain, 0), 50)
+        assert index.admit_boundary(states(chain, 0), [chunk(1, 0), chunk(chain, 0)], 20, 250, fork)
+    index.take_orders()
+    assert index.admit(chunk(9, 0), 400)  # 350 free: 50 more; one branch goes first
+    out = evicted(index)
+    assert out in ({*(k for k, _ in states(c, 0)), chunk(c, 0)} for c in (3, 4))
+    assert index.boundary_id(chunk(1, 0, STATE)) == fork
+
+
 def test_children_follow_their_parent_when_it_leaves():
     index = StoreIndex(cpu_capacity=1000, recurrent=True)
     chunks(index, 1, 3)

@@ -583,7 +583,7 @@ class HybridKVConfig(_Model):
     integrity_key: Secret | None = Field(default=None, repr=False)
     # Weight of prefill saved per byte against recency when CPU memory evicts recurrent
     # boundaries (core/eviction.py); 0 is LRU over whole boundaries.
-    eviction_alpha: NonNegative = 1.0
+    eviction_alpha: NonNegative = 0.25
     # Bytes each rank writes into its KV cache for restores in one engine step; the rest
     # waits for the next steps, so a large restore does not stall decoding requests
     # (the GPU copies overlap forwards; a CPU engine copies in the step). 0: no limit.

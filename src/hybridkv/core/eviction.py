@@ -15,13 +15,19 @@ Following Marconi (Pan et al., 2024), the utility of a boundary is
 with both terms scaled to [0, 1] over the boundaries that could be evicted now:
 recency is the boundary's last use (admission or hit) on the index's logical clock,
 min-max scaled; efficiency is tokens saved per byte kept, B / own_bytes, divided by the
-largest among them. The boundary with the lowest utility is evicted first. Before any of them go the
-*superseded* boundaries (core/index.py): those with exactly one longer boundary of their
-chain in CPU memory, which serves every request that follows the same path further. Prefill cost
-is taken as linear in B: the recurrent and MLP layers of a hybrid model dominate, and
-the quadratic attention term would only favour long boundaries more. `alpha` (config
-`eviction_alpha`, default 1.0) was chosen by replaying the traces of bench/hit_rate.py
-at several budgets (docs/benchmarks.md); `alpha = 0` is LRU over whole boundaries.
+largest among them. The boundary with the lowest utility is evicted first. It orders
+the leaf boundaries (no longer boundary of their chain in CPU memory), then the branch
+points; superseded boundaries (exactly one longer one) go before either, by recency
+(core/index.py). Prefill cost is taken as linear in B: the recurrent and MLP layers of a
+hybrid model dominate, and the quadratic attention term would only favour long
+boundaries more.
+
+`alpha` (config `eviction_alpha`, default 0.25) was chosen by replaying the traces of
+bench/hit_rate.py at each one's tightest interesting budget (docs/benchmarks.md): 0 and
+0.25 served the most on chat and document QA, 1 and 4 a little more on the agent trace
+(0.24 against 0.22 of prompt tokens) and far less on chat (alpha 4: 0.08 against 0.24).
+Efficiency favours the longest chains, and in a chat those are the conversations about
+to end. `alpha = 0` is LRU over whole boundaries.
 """
 
 from __future__ import annotations

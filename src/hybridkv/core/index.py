@@ -30,11 +30,14 @@ boundary plus the attention chunks before it. So the index keeps boundaries
    longer boundary of the same chain, admitted while this one was in CPU memory). The
    child serves every request that follows the path further, so this one serves only a
    request that forks between the two; a conversation's earlier turns are the common
-   case. Only their states go: the child needs their chunks. A boundary with two or more
-   children is a branch point and keeps its place (Marconi keeps its radix tree's
-   single-child nodes last for the same reason);
-3. whole boundaries, lowest utility first (recency combined with prefill saved per byte,
-   `eviction.utility`), each with the chunks only it needed.
+   case. Only their states go: the child needs their chunks;
+3. whole leaf boundaries (no child), lowest utility first (recency combined with prefill
+   saved per byte, `eviction.utility`), each with the chunks only it needed;
+4. branch points (two or more children: a shared system prompt, a document several
+   questions fork from), by utility, last. Their `own_bytes` overstates what evicting
+   them frees (their chunks stay while a child needs them) and every chain through them
+   falls back to a shorter hit without them, so utility alone would evict the shared
+   head first. Marconi's radix tree, likewise, only evicts nodes with one child or none.
 A boundary's states are admitted, and evicted, together: one state without the others
 serves nothing.
 """
@@ -104,7 +107,7 @@ class StoreIndex:
         ranks: int = 1,
         disk: bool = False,
         recurrent: bool = False,
-        alpha: float = 1.0,
+        alpha: float = 0.25,
     ):
         """`cpu_capacity`: bytes of CPU memory for entries, over all ranks. `ranks`: how
         many workers must report an entry before it counts as theirs. `disk`: the
@@ -318,13 +321,17 @@ class StoreIndex:
         candidates = [
             b for b in self._boundaries.values() if all(self._evictable(k) for k in b.states)
         ]
-        superseded = sorted(
-            (b for b in candidates if len(self._children.get(b.states[0], ())) == 1),
-            key=lambda b: b.used,
-        )
-        rest = [b for b in candidates if len(self._children.get(b.states[0], ())) != 1]
+        by_children: dict[int, list[Boundary]] = {0: [], 1: [], 2: []}
+        for b in candidates:
+            by_children[min(len(self._children.get(b.states[0], ())), 2)].append(b)
+        superseded = sorted(by_children[1], key=lambda b: b.used)
+        leaves, forks = by_children[0], by_children[2]
         gone: set[bytes] = set()
-        order = [*superseded, *sorted(rest, key=utility(rest, self.alpha))]
+        order = [
+            *superseded,
+            *sorted(leaves, key=utility(leaves, self.alpha)),
+            *sorted(forks, key=utility(forks, self.alpha)),
+        ]
         for b in order if freed < needed else ():
             if freed >= needed:
                 break
