@@ -42,10 +42,24 @@ def test_orphans_go_before_any_boundary():
     for c in range(4):  # a suffix no boundary needs, newer than chain 1
         index.admit(chunk(2, c), 50)
     index.take_orders()
-    assert index.admit(chunk(3, 0), 550)  # 400 free: 150 more
-    assert evicted(index) == {chunk(2, 0), chunk(2, 1), chunk(2, 2)}
+    assert index.admit(chunk(3, 0), 550)  # 400 free: 150 more, and 1000 // 64 ahead
+    assert evicted(index) == {chunk(2, c) for c in range(4)}
     assert index.boundary_id(chunk(1, 3, STATE))
-    assert index.stats.evicted_orphans == 3 and index.stats.evicted_boundaries == 0
+    assert index.stats.evicted_orphans == 4 and index.stats.evicted_boundaries == 0
+
+
+def test_eviction_frees_ahead_once_and_exactly_when_that_is_all_there_is():
+    index = StoreIndex(cpu_capacity=6400, recurrent=True)
+    for c in range(128):
+        assert index.admit(chunk(1, c), 50)  # full of orphans
+    index.take_orders()
+    assert index.admit(chunk(2, 0), 50)  # one in, 6400 // 64 = 100 bytes ahead: three out
+    assert len(evicted(index)) == 3
+    assert index.admit(chunk(2, 1), 50) and index.admit(chunk(2, 2), 50)
+    assert evicted(index) == set()  # the room freed ahead
+    index.pin([k for k in index._cpu if k != chunk(1, 3)])
+    assert index.admit(chunk(2, 3), 50)  # only one can go: it is enough
+    assert evicted(index) == {chunk(1, 3)}
 
 
 def test_a_boundary_leaves_whole_with_the_chunks_only_it_needed():
@@ -229,6 +243,10 @@ def test_budget_pins_and_whole_boundaries_hold_under_any_sequence(ops, capacity,
             assert all(index.in_cpu(k) for k in b.states)
             # The chain tree links only boundaries in CPU memory, both ways.
             assert b.parent is None or bid in index._children[b.parent]
+        # The eviction scan sees every orphan.
+        for key in index._cpu:
+            if key not in index._boundary_of and not index._needed_by.get(key):
+                assert key in index._loose
         for bid, children in index._children.items():
             assert children and bid in index._boundaries
             assert all(index._boundaries[c].parent == bid for c in children)

@@ -51,6 +51,9 @@ from dataclasses import dataclass, field
 
 from hybridkv.core.eviction import Boundary, utility
 
+# With recurrent groups, eviction frees 1/EVICT_AHEAD of the budget beyond what is needed.
+EVICT_AHEAD = 64
+
 
 @dataclass
 class IndexStats:
@@ -123,6 +126,9 @@ class StoreIndex:
         self._boundary_of: dict[bytes, bytes] = {}  # state key -> its boundary's id
         self._needed_by: dict[bytes, set[bytes]] = {}  # attention key -> boundary ids
         self._children: dict[bytes, set[bytes]] = {}  # boundary id -> its children's ids
+        # Entries that may be orphans, LRU first (a superset: the eviction scan drops the
+        # ones that are not), so that it need not look at every entry in CPU memory.
+        self._loose: OrderedDict[bytes, None] = OrderedDict()
         self._listed: set[int] | None = set() if disk else None
         self._cpu: OrderedDict[bytes, int] = OrderedDict()  # key -> bytes, LRU first
         self._used = 0
@@ -205,6 +211,8 @@ class StoreIndex:
         for key in keys:
             if key in self._cpu:
                 self._cpu.move_to_end(key)
+                if key in self._loose:
+                    self._loose.move_to_end(key)
                 bid = self._boundary_of.get(key)
                 if bid is not None:
                     self._boundaries[bid].used = self._tick
@@ -259,6 +267,8 @@ class StoreIndex:
         count it in; False, and nothing evicted, if it cannot fit."""
         if key in self._cpu:
             self._cpu.move_to_end(key)
+            if key in self._loose:
+                self._loose.move_to_end(key)
             return True
         nbytes *= self.ranks
         if not self._make_room(nbytes):
@@ -270,6 +280,8 @@ class StoreIndex:
     def _insert(self, key: bytes, nbytes: int) -> None:
         self._cpu[key] = nbytes
         self._used += nbytes
+        if self.recurrent:
+            self._loose[key] = None
         # Dropped earlier this step and stored again: the workers' copy stays good.
         for dropped in (self.orders.evict, self.orders.delete):
             if key in dropped:
@@ -285,9 +297,16 @@ class StoreIndex:
         free = self.capacity - self._used
         if free >= nbytes:
             return True
-        victims = (
-            self._victims(nbytes - free) if self.recurrent else self._lru_victims(nbytes - free)
-        )
+        if self.recurrent:
+            # Choosing by the policy looks at every boundary, so free a little more than
+            # needed while at it: one choice then serves the next admissions (a prefill
+            # stores a chunk at a time). Without that, a budget holding thousands of
+            # boundaries spent milliseconds of the scheduler's thread per chunk stored.
+            victims = self._victims(nbytes - free + self.capacity // EVICT_AHEAD)
+            if victims is None:
+                victims = self._victims(nbytes - free)
+        else:
+            victims = self._lru_victims(nbytes - free)
         if victims is None:
             return False
         for key in victims:
@@ -310,20 +329,22 @@ class StoreIndex:
         """Orphans first (LRU), then whole boundaries by utility, each with the chunks it
         alone needed; None if even all that would not free `needed` bytes."""
         victims, freed = [], 0
-        for key, size in self._cpu.items():
+        for key in list(self._loose):
             if freed >= needed:
                 break
-            orphan = key not in self._boundary_of and not self._needed_by.get(key)
-            if orphan and self._evictable(key):
+            if key not in self._cpu or key in self._boundary_of or self._needed_by.get(key):
+                del self._loose[key]  # not an orphan (it becomes one only in _forget_boundary)
+            elif self._evictable(key):
                 victims.append(key)
-                freed += size
+                freed += self._cpu[key]
         orphans = len(victims)
-        candidates = [
-            b for b in self._boundaries.values() if all(self._evictable(k) for k in b.states)
-        ]
         by_children: dict[int, list[Boundary]] = {0: [], 1: [], 2: []}
-        for b in candidates:
-            by_children[min(len(self._children.get(b.states[0], ())), 2)].append(b)
+        if freed < needed:
+            held = self._pins.keys() | self._promoting.keys()  # not evictable
+            children = self._children
+            for bid, b in self._boundaries.items():
+                if held.isdisjoint(b.states):
+                    by_children[min(len(children.get(bid, ())), 2)].append(b)
         superseded = sorted(by_children[1], key=lambda b: b.used)
         leaves, forks = by_children[0], by_children[2]
         gone: set[bytes] = set()
@@ -332,7 +353,7 @@ class StoreIndex:
             *sorted(leaves, key=utility(leaves, self.alpha)),
             *sorted(forks, key=utility(forks, self.alpha)),
         ]
-        for b in order if freed < needed else ():
+        for b in order:
             if freed >= needed:
                 break
             gone.add(b.states[0])
@@ -370,16 +391,19 @@ class StoreIndex:
             self._used -= size
         self._promoting.pop(key, None)
         self._sources.pop(key, None)
+        self._loose.pop(key, None)
         bid = self._boundary_of.get(key)
         if bid is not None:
             self._forget_boundary(bid)
 
     def _forget_boundary(self, bid: bytes) -> None:
-        """Stop counting a boundary (one of its states left CPU memory); its other states
-        stay until evicted, as orphans."""
+        """Stop counting a boundary (one of its states left CPU memory); its other states,
+        and the chunks no other boundary needs, stay until evicted, as orphans."""
         b = self._boundaries.pop(bid)
         for key in b.states:
             self._boundary_of.pop(key, None)
+            if key in self._cpu:
+                self._loose[key] = None
         # Its children now follow its parent (the chain's previous boundary left).
         if b.parent is not None:
             self._children[b.parent].discard(bid)
@@ -395,6 +419,8 @@ class StoreIndex:
                 users.discard(bid)
                 if not users:
                     del self._needed_by[key]
+                    if key in self._cpu:
+                        self._loose[key] = None
 
     def delete(self, key: bytes) -> None:
         """Forget the entry everywhere and have the workers delete it; a pinned entry (a
@@ -487,6 +513,7 @@ class StoreIndex:
         self._boundary_of.clear()
         self._needed_by.clear()
         self._children.clear()
+        self._loose.clear()
         self._disk.clear()
         self.epoch += 1
         self.orders = Orders(clear=True)
