@@ -42,24 +42,40 @@ def test_orphans_go_before_any_boundary():
     for c in range(4):  # a suffix no boundary needs, newer than chain 1
         index.admit(chunk(2, c), 50)
     index.take_orders()
-    assert index.admit(chunk(3, 0), 550)  # 400 free: 150 more, and 1000 // 64 ahead
-    assert evicted(index) == {chunk(2, c) for c in range(4)}
+    assert index.admit(chunk(3, 0), 550)  # 400 free: 150 more
+    assert evicted(index) == {chunk(2, 0), chunk(2, 1), chunk(2, 2)}
     assert index.boundary_id(chunk(1, 3, STATE))
-    assert index.stats.evicted_orphans == 4 and index.stats.evicted_boundaries == 0
+    assert index.stats.evicted_orphans == 3 and index.stats.evicted_boundaries == 0
 
 
-def test_eviction_frees_ahead_once_and_exactly_when_that_is_all_there_is():
+def test_eviction_frees_ahead_once_many_boundaries_are_held():
+    from hybridkv.core.index import AHEAD_FROM
+
+    n = AHEAD_FROM
+    index = StoreIndex(cpu_capacity=250 * n + 6400, recurrent=True)
+    for chain in range(n):
+        assert add_chain(index, chain, 1)  # a chunk and two states each: 250 bytes
+    for c in range(128):
+        assert index.admit(chunk(1000, c), 50)  # the rest: orphans
+    index.take_orders()
+    ahead = index.capacity // 64
+    assert index.admit(chunk(2000, 0), 50)  # one in, `ahead` bytes more out
+    assert len(evicted(index)) == 1 + ahead // 50
+    for c in range(1, 1 + ahead // 50):
+        assert index.admit(chunk(2000, c), 50)
+    assert evicted(index) == set()  # the room freed ahead
+    index.pin([k for k in index._cpu if k != chunk(1000, 127)])
+    assert index.admit(chunk(3000, 0), 50)  # only one can go: it is enough
+    assert evicted(index) == {chunk(1000, 127)}
+
+
+def test_a_small_index_evicts_exactly_what_it_needs():
     index = StoreIndex(cpu_capacity=6400, recurrent=True)
     for c in range(128):
-        assert index.admit(chunk(1, c), 50)  # full of orphans
+        assert index.admit(chunk(1, c), 50)
     index.take_orders()
-    assert index.admit(chunk(2, 0), 50)  # one in, 6400 // 64 = 100 bytes ahead: three out
-    assert len(evicted(index)) == 3
-    assert index.admit(chunk(2, 1), 50) and index.admit(chunk(2, 2), 50)
-    assert evicted(index) == set()  # the room freed ahead
-    index.pin([k for k in index._cpu if k != chunk(1, 3)])
-    assert index.admit(chunk(2, 3), 50)  # only one can go: it is enough
-    assert evicted(index) == {chunk(1, 3)}
+    assert index.admit(chunk(2, 0), 50)
+    assert evicted(index) == {chunk(1, 0)}
 
 
 def test_a_boundary_leaves_whole_with_the_chunks_only_it_needed():
