@@ -332,15 +332,17 @@ class StoreIndex:
     def _victims(self, needed: int) -> list[bytes] | None:
         """Orphans first (LRU), then whole boundaries by utility, each with the chunks it
         alone needed; None if even all that would not free `needed` bytes."""
-        victims, freed = [], 0
-        for key in list(self._loose):
+        victims, freed, stale = [], 0, []
+        for key in self._loose:  # stops as soon as enough is found: no copy of it
             if freed >= needed:
                 break
             if key not in self._cpu or key in self._boundary_of or self._needed_by.get(key):
-                del self._loose[key]  # not an orphan (it becomes one only in _forget_boundary)
+                stale.append(key)  # not an orphan (it becomes one only in _forget_boundary)
             elif self._evictable(key):
                 victims.append(key)
                 freed += self._cpu[key]
+        for key in stale:
+            del self._loose[key]
         orphans = len(victims)
         by_children: dict[int, list[Boundary]] = {0: [], 1: [], 2: []}
         if freed < needed:
