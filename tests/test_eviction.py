@@ -22,11 +22,15 @@ def states(chain: int, c: int) -> list[tuple[bytes, int]]:
     return [(chunk(chain, c, STATE), 100), (chunk(chain, c, STATE + 1), 100)]
 
 
-def add_chain(index: StoreIndex, chain: int, n: int, at: int | None = None) -> bool:
-    """Chunks 0..n-1 of a chain (50 bytes each) and a boundary after chunk `at`
-    (default the last)."""
+def chunks(index: StoreIndex, chain: int, n: int) -> None:
+    """Chunks 0..n-1 of a chain, 50 bytes each."""
     for c in range(n):
         assert index.admit(chunk(chain, c), 50)
+
+
+def add_chain(index: StoreIndex, chain: int, n: int, at: int | None = None) -> bool:
+    """Chunks 0..n-1 of a chain and a boundary after chunk `at` (default the last)."""
+    chunks(index, chain, n)
     at = n - 1 if at is None else at
     needs = [chunk(chain, c) for c in range(at + 1)]
     return index.admit_boundary(states(chain, at), needs, (at + 1) * 10, 200 + 50 * (at + 1))
@@ -112,11 +116,6 @@ def boundary(index: StoreIndex, chain: int, at: int, parent: int | None = None) 
     needs = [chunk(chain, c) for c in range(at + 1)]
     pid = None if parent is None else index.boundary_id(chunk(chain, parent, STATE))
     return index.admit_boundary(states(chain, at), needs, (at + 1) * 10, 250, pid)
-
-
-def chunks(index: StoreIndex, chain: int, n: int) -> None:
-    for c in range(n):
-        assert index.admit(chunk(chain, c), 50)
 
 
 def test_a_superseded_boundary_goes_before_older_ones():
