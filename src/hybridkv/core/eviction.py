@@ -46,6 +46,23 @@ class Boundary:
     own_bytes: int  # its states plus the chunks after the chain's previous boundary
     used: int  # logical time of its last use
     parent: bytes | None = None  # the chain's previous boundary in CPU memory
+    reused: bool = False  # used again since its admission (a hit, or vLLM's own)
+
+
+def segments(leaves: Sequence[Boundary], room: float) -> tuple[list[Boundary], list[Boundary]]:
+    """Split leaf boundaries into probation, evicted first, and protected: the most
+    recently used of those reused since admission, up to `room` bytes (segmented LRU;
+    the older reused ones are demoted to probation)."""
+    reused = sorted((b for b in leaves if b.reused), key=lambda b: b.used, reverse=True)
+    protected: list[Boundary] = []
+    held = 0
+    for b in reused:
+        if held + b.own_bytes > room:
+            break
+        held += b.own_bytes
+        protected.append(b)
+    kept = {id(b) for b in protected}
+    return [b for b in leaves if id(b) not in kept], protected
 
 
 def utility(candidates: Sequence[Boundary], alpha: float) -> Callable[[Boundary], float]:

@@ -49,13 +49,16 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from hybridkv.core.eviction import Boundary, utility
+from hybridkv.core.eviction import Boundary, segments, utility
 
 # With recurrent groups and at least AHEAD_FROM boundaries held (a choice among them then
 # takes about a millisecond), eviction frees 1/EVICT_AHEAD of the budget beyond what is
 # needed. Below that, freeing ahead would only cost hits (about 2% of a 4 MiB budget's).
 EVICT_AHEAD = 64
 AHEAD_FROM = 256
+# Leaf boundaries reused since admission keep up to this share of the budget ahead of the
+# others (segmented LRU's protected segment; core/eviction.py).
+PROTECTED = 0.8
 
 
 @dataclass
@@ -218,7 +221,8 @@ class StoreIndex:
                     self._loose.move_to_end(key)
                 bid = self._boundary_of.get(key)
                 if bid is not None:
-                    self._boundaries[bid].used = self._tick
+                    b = self._boundaries[bid]
+                    b.used, b.reused = self._tick, True
 
     def admit_boundary(
         self,
@@ -353,10 +357,12 @@ class StoreIndex:
                     by_children[min(len(children.get(bid, ())), 2)].append(b)
         superseded = sorted(by_children[1], key=lambda b: b.used)
         leaves, forks = by_children[0], by_children[2]
+        first, kept = segments(leaves, PROTECTED * self.capacity)
         gone: set[bytes] = set()
         order = [
             *superseded,
-            *sorted(leaves, key=utility(leaves, self.alpha)),
+            *sorted(first, key=utility(first, self.alpha)),
+            *sorted(kept, key=utility(kept, self.alpha)),
             *sorted(forks, key=utility(forks, self.alpha)),
         ]
         for b in order:
