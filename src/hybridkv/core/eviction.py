@@ -47,12 +47,29 @@ class Boundary:
     used: int  # logical time of its last use
     parent: bytes | None = None  # the chain's previous boundary in CPU memory
     reused: bool = False  # used again since its admission (a hit, or vLLM's own)
+    returning: bool = False  # stored again after CPU memory evicted its chunks
 
 
-def segments(leaves: Sequence[Boundary], room: float) -> tuple[list[Boundary], list[Boundary]]:
-    """Split leaf boundaries into probation, evicted first, and protected: the most
-    recently used of those reused since admission, up to `room` bytes (segmented LRU;
-    the older reused ones are demoted to probation)."""
+def leaf_order(
+    leaves: Sequence[Boundary], alpha: float, room: float, now: int, stale_after: float
+) -> list[Boundary]:
+    """Leaf boundaries from the first to evict to the last: probation (never reused
+    since admission) before protected; within probation, fresh boundaries by utility,
+    then returning ones most recently used first, unless idle for over `stale_after`."""
+    probation, protected = _segments(leaves, room)
+    looping = [b for b in probation if b.returning and now - b.used <= stale_after]
+    ids = {id(b) for b in looping}
+    fresh = [b for b in probation if id(b) not in ids]
+    return [
+        *sorted(fresh, key=utility(fresh, alpha)),
+        *sorted(looping, key=lambda b: b.used, reverse=True),
+        *sorted(protected, key=utility(protected, alpha)),
+    ]
+
+
+def _segments(leaves: Sequence[Boundary], room: float) -> tuple[list[Boundary], list[Boundary]]:
+    """Probation and protected: the most recently used of the boundaries reused since
+    admission, up to `room` bytes, are protected; older reused ones are demoted."""
     reused = sorted((b for b in leaves if b.reused), key=lambda b: b.used, reverse=True)
     protected: list[Boundary] = []
     held = 0

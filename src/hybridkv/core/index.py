@@ -49,7 +49,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from hybridkv.core.eviction import Boundary, segments, utility
+from hybridkv.core.eviction import Boundary, leaf_order, utility
 
 # With recurrent groups and at least AHEAD_FROM boundaries held (a choice among them then
 # takes about a millisecond), eviction frees 1/EVICT_AHEAD of the budget beyond what is
@@ -59,6 +59,14 @@ AHEAD_FROM = 256
 # Leaf boundaries reused since admission keep up to this share of the budget ahead of the
 # others (segmented LRU's protected segment; core/eviction.py).
 PROTECTED = 0.8
+# Attention chunks evicted from CPU memory are remembered (key -> last use) in a bounded
+# list, GHOSTS_PER_ENTRY times as many as CPU memory holds (at least GHOSTS_MIN): a
+# boundary stored again with a remembered chunk is *returning* (core/eviction.py).
+GHOSTS_PER_ENTRY = 4
+GHOSTS_MIN = 1024
+# A returning boundary idle for more than STALE_GAPS times the typical return gap (ticks
+# between a chunk's last use before eviction and its return) no longer counts as one.
+STALE_GAPS = 2.0
 
 
 @dataclass
@@ -135,6 +143,9 @@ class StoreIndex:
         # Entries that may be orphans, LRU first (a superset: the eviction scan drops the
         # ones that are not), so that it need not look at every entry in CPU memory.
         self._loose: OrderedDict[bytes, None] = OrderedDict()
+        self._ghosts: OrderedDict[bytes, int] = OrderedDict()  # evicted chunk -> last use
+        self._back: dict[bytes, int] = {}  # ghosts stored again, until a boundary claims them
+        self._return_gap = 0.0  # running mean of returning chunks' gaps, in ticks
         self._listed: set[int] | None = set() if disk else None
         self._cpu: OrderedDict[bytes, int] = OrderedDict()  # key -> bytes, LRU first
         self._used = 0
@@ -260,6 +271,7 @@ class StoreIndex:
             own_bytes * self.ranks,
             self._tick,
             parent,
+            returning=self._returning(needs),
         )
         if parent is not None:
             self._children.setdefault(parent, set()).add(bid)
@@ -267,6 +279,16 @@ class StoreIndex:
             self._boundary_of[key] = bid
         for key in needs:
             self._needed_by.setdefault(key, set()).add(bid)
+        return True
+
+    def _returning(self, needs: list[bytes]) -> bool:
+        """Whether a new boundary needs a chunk that was evicted and stored again since
+        the last boundary admitted. Updates the typical return gap."""
+        last = [self._back.pop(k) for k in needs if k in self._back]
+        if not last:
+            return False
+        gap = self._tick - max(last)
+        self._return_gap = gap if not self._return_gap else (3 * self._return_gap + gap) / 4
         return True
 
     def admit(self, key: bytes, nbytes: int) -> bool:
@@ -289,6 +311,9 @@ class StoreIndex:
         self._used += nbytes
         if self.recurrent:
             self._loose[key] = None
+            last = self._ghosts.pop(key, None)
+            if last is not None:
+                self._back[key] = last
         # Dropped earlier this step and stored again: the workers' copy stays good.
         for dropped in (self.orders.evict, self.orders.delete):
             if key in dropped:
@@ -357,14 +382,19 @@ class StoreIndex:
                     by_children[min(len(children.get(bid, ())), 2)].append(b)
         superseded = sorted(by_children[1], key=lambda b: b.used)
         leaves, forks = by_children[0], by_children[2]
-        first, kept = segments(leaves, PROTECTED * self.capacity)
         gone: set[bytes] = set()
         order = [
             *superseded,
-            *sorted(first, key=utility(first, self.alpha)),
-            *sorted(kept, key=utility(kept, self.alpha)),
+            *leaf_order(
+                leaves,
+                self.alpha,
+                PROTECTED * self.capacity,
+                self._tick,
+                STALE_GAPS * self._return_gap,
+            ),
             *sorted(forks, key=utility(forks, self.alpha)),
         ]
+        last_use = dict.fromkeys(victims, self._tick)  # orphans' chunks
         for b in order:
             if freed >= needed:
                 break
@@ -377,8 +407,10 @@ class StoreIndex:
                     victims.append(key)
                     freed += self._cpu[key]
                     gone.add(key)  # never added twice (no boundary id is a needed key)
+                    last_use[key] = b.used
         if freed < needed:
             return None
+        self._remember(last_use)
         self.stats.evicted_orphans += orphans
         n_superseded = sum(1 for b in superseded if b.states[0] in gone)
         self.stats.evicted_superseded += n_superseded
@@ -386,6 +418,15 @@ class StoreIndex:
             sum(1 for k in gone if k in self._boundaries) - n_superseded
         )
         return victims
+
+    def _remember(self, last_use: dict[bytes, int]) -> None:
+        """Add evicted attention chunks to the ghost list (bounded, oldest out first)."""
+        for key, used in last_use.items():
+            self._ghosts[key] = used
+            self._ghosts.move_to_end(key)
+        cap = max(GHOSTS_MIN, GHOSTS_PER_ENTRY * len(self._cpu))
+        while len(self._ghosts) > cap:
+            self._ghosts.popitem(last=False)
 
     def evict_all(self) -> int:
         """Evict every unpinned entry from CPU memory (what stays below is still found);
@@ -404,6 +445,7 @@ class StoreIndex:
         self._promoting.pop(key, None)
         self._sources.pop(key, None)
         self._loose.pop(key, None)
+        self._back.pop(key, None)
         bid = self._boundary_of.get(key)
         if bid is not None:
             self._forget_boundary(bid)
@@ -526,6 +568,9 @@ class StoreIndex:
         self._needed_by.clear()
         self._children.clear()
         self._loose.clear()
+        self._ghosts.clear()
+        self._back.clear()
+        self._return_gap = 0.0
         self._disk.clear()
         self.epoch += 1
         self.orders = Orders(clear=True)
