@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.core.eviction import Boundary, utility
-from hybridkv.core.index import StoreIndex
+from hybridkv.core.index import GHOSTS_MIN, GHOSTS_PER_ENTRY, StoreIndex
 from hybridkv.core.keys import group_key
 
 ATTN, STATE = 0, 1  # group ids: one attention group, one recurrent group (two in `states`)
@@ -193,6 +193,61 @@ def test_utility_prefers_recent_and_efficient_boundaries():
     assert weighted[0] is old_short and weighted[-1] is old_long  # 0 + 2 * 1 > 1 + 2 * 0.1
 
 
+def visit(index: StoreIndex, chain: int, n: int = 4) -> bool:
+    """A request for a chain's n chunks (400 bytes with its states): a hit if its
+    boundary is held (a use), else its chunks and boundary are stored, the chunks pinned
+    meanwhile as the scheduler side pins a request's stores."""
+    sts, needs = states(chain, n - 1), [chunk(chain, c) for c in range(n)]
+    if index.boundary_id(sts[0][0]):
+        index.touch([k for k, _ in sts] + needs)
+        return True
+    for key in needs:
+        assert index.admit(key, 50)
+        index.pin([key])
+    index.admit_boundary(sts, needs, n * 10, 200 + 50 * n)
+    index.unpin(needs)
+    return False
+
+
+def held(index: StoreIndex, chain: int, n: int = 4) -> bool:
+    return index.boundary_id(states(chain, n - 1)[0][0]) is not None
+
+
+def test_a_reused_leaf_outlasts_newer_ones_never_reused():
+    index = StoreIndex(cpu_capacity=2000, recurrent=True)  # five chains
+    for chain in (1, 1, 2, 3, 4, 5, 6):  # chain 1 stored, then hit
+        visit(index, chain)
+    assert held(index, 1) and not held(index, 2)
+
+
+def test_reused_leaves_beyond_the_protected_share_go_like_fresh_ones():
+    from hybridkv.core.index import PROTECTED
+
+    index = StoreIndex(cpu_capacity=2400, recurrent=True)  # six chains
+    assert 4 * 400 <= PROTECTED * 2400 < 5 * 400
+    for chain in (1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 6):  # five reused; 1 the oldest
+        visit(index, chain)
+    visit(index, 7)
+    assert not held(index, 1) and held(index, 6)
+
+
+def test_a_loop_longer_than_memory_keeps_a_fixed_set_and_lets_it_go_after():
+    """Least-recently-used eviction hits nothing in a loop over more chains than fit.
+    Returning chains (stored again after eviction) are evicted newest first, so a fixed
+    set stays and hits every round; once the loop moves to other chains, the old set
+    goes stale and the new loop settles the same way."""
+    index = StoreIndex(cpu_capacity=2000, recurrent=True)  # five chains
+
+    def rounds(chains: range, n: int) -> list[int]:
+        return [sum(visit(index, c) for c in chains) for _ in range(n)]
+
+    first = rounds(range(7), 4)
+    assert first[0] == 0 and min(first[2:]) >= 3
+    second = rounds(range(10, 17), 8)
+    assert min(second[-3:]) >= 3
+    assert not any(held(index, c) for c in range(7))
+
+
 def test_lost_state_drops_its_boundary_and_its_sibling_becomes_an_orphan():
     index = StoreIndex(cpu_capacity=10_000, recurrent=True)
     add_chain(index, 1, 2)
@@ -265,4 +320,7 @@ def test_budget_pins_and_whole_boundaries_hold_under_any_sequence(ops, capacity,
         for bid, children in index._children.items():
             assert children and bid in index._boundaries
             assert all(index._boundaries[c].parent == bid for c in children)
+        # Evicted chunks are remembered within bounds, and claimed only while held.
+        assert index._back.keys() <= index._cpu.keys()
+        assert len(index._ghosts) <= max(GHOSTS_MIN, GHOSTS_PER_ENTRY * len(index._cpu))
     index.take_orders()

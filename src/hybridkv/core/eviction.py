@@ -53,24 +53,13 @@ class Boundary:
 def leaf_order(
     leaves: Sequence[Boundary], alpha: float, room: float, now: int, stale_after: float
 ) -> list[Boundary]:
-    """Leaf boundaries from the first to evict to the last: probation (never reused
-    since admission) before protected; within probation, fresh boundaries by utility,
-    then returning ones most recently used first, unless idle for over `stale_after`."""
-    probation, protected = _segments(leaves, room)
-    looping = [b for b in probation if b.returning and now - b.used <= stale_after]
-    ids = {id(b) for b in looping}
-    fresh = [b for b in probation if id(b) not in ids]
-    return [
-        *sorted(fresh, key=utility(fresh, alpha)),
-        *sorted(looping, key=lambda b: b.used, reverse=True),
-        *sorted(protected, key=utility(protected, alpha)),
-    ]
-
-
-def _segments(leaves: Sequence[Boundary], room: float) -> tuple[list[Boundary], list[Boundary]]:
-    """Probation and protected: the most recently used of the boundaries reused since
-    admission, up to `room` bytes, are protected; older reused ones are demoted."""
-    reused = sorted((b for b in leaves if b.reused), key=lambda b: b.used, reverse=True)
+    """Leaf boundaries from the first to evict to the last. A boundary used within the
+    last `stale_after` ticks is *live*. Protected, evicted last: the most recently used
+    live boundaries reused since admission, up to `room` bytes. Before them, live
+    returning ones, most recently used first. First of all the rest (fresh, stale, or
+    reused beyond `room`), by utility."""
+    live = [b for b in leaves if now - b.used <= stale_after]
+    reused = sorted((b for b in live if b.reused), key=lambda b: b.used, reverse=True)
     protected: list[Boundary] = []
     held = 0
     for b in reused:
@@ -78,8 +67,15 @@ def _segments(leaves: Sequence[Boundary], room: float) -> tuple[list[Boundary], 
             break
         held += b.own_bytes
         protected.append(b)
-    kept = {id(b) for b in protected}
-    return [b for b in leaves if id(b) not in kept], protected
+    later = {id(b) for b in protected}
+    looping = [b for b in live if b.returning and id(b) not in later]
+    later.update(id(b) for b in looping)
+    first = [b for b in leaves if id(b) not in later]
+    return [
+        *sorted(first, key=utility(first, alpha)),
+        *sorted(looping, key=lambda b: b.used, reverse=True),
+        *sorted(protected, key=utility(protected, alpha)),
+    ]
 
 
 def utility(candidates: Sequence[Boundary], alpha: float) -> Callable[[Boundary], float]:

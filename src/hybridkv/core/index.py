@@ -390,7 +390,7 @@ class StoreIndex:
                 self.alpha,
                 PROTECTED * self.capacity,
                 self._tick,
-                STALE_GAPS * self._return_gap,
+                STALE_GAPS * self._return_gap if self._return_gap else float("inf"),
             ),
             *sorted(forks, key=utility(forks, self.alpha)),
         ]
