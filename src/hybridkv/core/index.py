@@ -66,7 +66,7 @@ GHOSTS_PER_ENTRY = 4
 GHOSTS_MIN = 1024
 # A returning boundary idle for more than STALE_GAPS times the typical return gap (ticks
 # between a chunk's last use before eviction and its return) no longer counts as one.
-STALE_GAPS = 2.0
+STALE_GAPS = 4.0
 
 
 @dataclass
