@@ -16,9 +16,9 @@ with both terms scaled to [0, 1] over the boundaries that could be evicted now:
 recency is the boundary's last use (admission or hit) on the index's logical clock,
 min-max scaled; efficiency is tokens saved per byte kept, B / own_bytes, divided by the
 largest among them. The boundary with the lowest utility is evicted first. It orders
-the leaf boundaries (no longer boundary of their chain in CPU memory), then the branch
-points; superseded boundaries (exactly one longer one) go before either, by recency
-(core/index.py). Prefill cost is taken as linear in B: the recurrent and MLP layers of a
+the leaf boundaries (no longer boundary of their chain in CPU memory) within each of
+the segments below, then the branch points; superseded boundaries (exactly one longer
+one) go before either, by recency (core/index.py). Prefill cost is taken as linear in B: the recurrent and MLP layers of a
 hybrid model dominate, and the quadratic attention term would only favour long
 boundaries more.
 
@@ -28,6 +28,22 @@ bench/hit_rate.py at each one's tightest interesting budget (docs/benchmarks.md)
 (0.24 against 0.22 of prompt tokens) and far less on chat (alpha 4: 0.08 against 0.24).
 Efficiency favours the longest chains, and in a chat those are the conversations about
 to end. `alpha = 0` is LRU over whole boundaries.
+
+Utility alone is recency first, and recency fails a workload that loops over more than
+fits: documents asked about in turn, each evicted just before it comes back (on the
+docqa trace hybridkv then served less than vLLM's LRU). So leaves are split
+(`eviction_order`), evicted in this order:
+1. *fresh* leaves, by utility;
+2. *returning* leaves, most recently used first: stored again after CPU memory evicted
+   chunks they need (the index remembers evicted chunks). A return says the working
+   set is larger than the budget; evicting the newest keeps a fixed set that hits
+   every time round, which is what Belady's choice does in a loop;
+3. *protected* leaves, by utility: reused since admission (a hit, or vLLM's own), the
+   most recently used of them up to a share of the budget (segmented LRU's protected
+   segment; older ones count as fresh).
+Both marks lapse once a leaf has been idle for more than a few times the typical return
+gap (logical ticks between a chunk's last use and its return), so a loop that has ended
+gives its memory back to the next one instead of holding it for ever.
 """
 
 from __future__ import annotations
@@ -50,7 +66,7 @@ class Boundary:
     returning: bool = False  # stored again after CPU memory evicted its chunks
 
 
-def leaf_order(
+def eviction_order(
     leaves: Sequence[Boundary], alpha: float, room: float, now: int, stale_after: float
 ) -> list[Boundary]:
     """Leaf boundaries from the first to evict to the last. A boundary used within the

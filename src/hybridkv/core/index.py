@@ -31,8 +31,10 @@ boundary plus the attention chunks before it. So the index keeps boundaries
    child serves every request that follows the path further, so this one serves only a
    request that forks between the two; a conversation's earlier turns are the common
    case. Only their states go: the child needs their chunks;
-3. whole leaf boundaries (no child), lowest utility first (recency combined with prefill
-   saved per byte, `eviction.utility`), each with the chunks only it needed;
+3. whole leaf boundaries (no child), each with the chunks only it needed: fresh ones
+   by utility (recency combined with prefill saved per byte, `eviction.utility`), then
+   returning ones (stored again after their chunks were evicted: a loop larger than
+   the budget) newest first, then those reused since admission (`eviction.eviction_order`);
 4. branch points (two or more children: a shared system prompt, a document several
    questions fork from), by utility, last. Their `own_bytes` overstates what evicting
    them frees (their chunks stay while a child needs them) and every chain through them
@@ -49,7 +51,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from hybridkv.core.eviction import Boundary, leaf_order, utility
+from hybridkv.core.eviction import Boundary, eviction_order
 
 # With recurrent groups and at least AHEAD_FROM boundaries held (a choice among them then
 # takes about a millisecond), eviction frees 1/EVICT_AHEAD of the budget beyond what is
@@ -277,9 +279,29 @@ class StoreIndex:
             self._children.setdefault(parent, set()).add(bid)
         for key, _ in states:
             self._boundary_of[key] = bid
+        if needs:
+            self._adopt(bid, needs[-1])
         for key in needs:
             self._needed_by.setdefault(key, set()).add(bid)
         return True
+
+    def _adopt(self, bid: bytes, last: bytes) -> None:
+        """Make a new boundary the parent of the longer ones admitted before it that
+        pass through it (they need its last chunk) and had its parent: a junction stored
+        below a sibling's boundary is the branch point of both."""
+        b = self._boundaries[bid]
+        for other in self._needed_by.get(last, ()):
+            o = self._boundaries[other]
+            if o.parent != b.parent or o.tokens <= b.tokens:
+                continue
+            if o.parent is not None:
+                self._children[o.parent].discard(other)
+            o.parent = bid
+            self._children.setdefault(bid, set()).add(other)
+            kept = set(b.needs)
+            o.own_bytes = sum(self._cpu[k] for k in o.states) + sum(
+                self._cpu.get(k, 0) for k in o.needs if k not in kept
+            )
 
     def _returning(self, needs: list[bytes]) -> bool:
         """Whether a new boundary needs a chunk that was evicted and stored again since
@@ -383,16 +405,12 @@ class StoreIndex:
         superseded = sorted(by_children[1], key=lambda b: b.used)
         leaves, forks = by_children[0], by_children[2]
         gone: set[bytes] = set()
+        stale_after = STALE_GAPS * self._return_gap if self._return_gap else float("inf")
+        room = PROTECTED * self.capacity
         order = [
             *superseded,
-            *leaf_order(
-                leaves,
-                self.alpha,
-                PROTECTED * self.capacity,
-                self._tick,
-                STALE_GAPS * self._return_gap if self._return_gap else float("inf"),
-            ),
-            *sorted(forks, key=utility(forks, self.alpha)),
+            *eviction_order(leaves, self.alpha, room, self._tick, stale_after),
+            *eviction_order(forks, self.alpha, room, self._tick, stale_after),
         ]
         last_use = dict.fromkeys(victims, self._tick)  # orphans' chunks
         for b in order:
