@@ -164,6 +164,23 @@ def test_a_branch_point_outlasts_newer_leaves():
     assert index.boundary_id(chunk(1, 0, STATE)) == fork
 
 
+def test_a_junction_stored_below_a_boundary_becomes_its_parent():
+    """A second question on a document stores a state where it forks from the first
+    (inside the document), after the first's boundary: both are then its children, and
+    it is a branch point, not a boundary superseded by the newer question."""
+    index = StoreIndex(cpu_capacity=10_000, recurrent=True)
+    chunks(index, 1, 4)
+    assert boundary(index, 1, 3)  # the first question's boundary, past the fork
+    index.admit(chunk(2, 3), 50)  # the second question's own last chunk
+    assert boundary(index, 1, 2)  # the junction, after chunk 2 (no parent held)
+    junction = index.boundary_id(chunk(1, 2, STATE))
+    needs = [chunk(1, c) for c in range(3)] + [chunk(2, 3)]
+    assert index.admit_boundary(states(2, 3), needs, 40, 250, junction)
+    first = index._boundaries[index.boundary_id(chunk(1, 3, STATE))]
+    assert first.parent == junction and len(index._children[junction]) == 2
+    assert first.own_bytes == 200 + 50  # its states and the one chunk past the junction
+
+
 def test_children_follow_their_parent_when_it_leaves():
     index = StoreIndex(cpu_capacity=1000, recurrent=True)
     chunks(index, 1, 3)

@@ -15,12 +15,12 @@ Following Marconi (Pan et al., 2024), the utility of a boundary is
 with both terms scaled to [0, 1] over the boundaries that could be evicted now:
 recency is the boundary's last use (admission or hit) on the index's logical clock,
 min-max scaled; efficiency is tokens saved per byte kept, B / own_bytes, divided by the
-largest among them. The boundary with the lowest utility is evicted first. It orders
-the leaf boundaries (no longer boundary of their chain in CPU memory) within each of
-the segments below, then the branch points; superseded boundaries (exactly one longer
-one) go before either, by recency (core/index.py). Prefill cost is taken as linear in B: the recurrent and MLP layers of a
-hybrid model dominate, and the quadratic attention term would only favour long
-boundaries more.
+largest among them. The boundary with the lowest utility is evicted first, within each
+segment below. Superseded boundaries (exactly one longer one) go first, by recency,
+then the leaf boundaries (no longer boundary of their chain in CPU memory), then the
+branch points (core/index.py). Prefill cost is taken as linear in B: the recurrent and
+MLP layers of a hybrid model dominate, and the quadratic attention term would only
+favour long boundaries more.
 
 `alpha` (config `eviction_alpha`, default 0.25) was chosen by replaying the traces of
 bench/hit_rate.py at each one's tightest interesting budget (docs/benchmarks.md): 0 and
@@ -31,8 +31,8 @@ to end. `alpha = 0` is LRU over whole boundaries.
 
 Utility alone is recency first, and recency fails a workload that loops over more than
 fits: documents asked about in turn, each evicted just before it comes back (on the
-docqa trace hybridkv then served less than vLLM's LRU). So leaves are split
-(`eviction_order`), evicted in this order:
+docqa trace hybridkv then served less than vLLM's LRU). So leaves, and likewise branch
+points, are split (`eviction_order`) and evicted in this order:
 1. *fresh* leaves, by utility;
 2. *returning* leaves, most recently used first: stored again after CPU memory evicted
    chunks they need (the index remembers evicted chunks). A return says the working
