@@ -168,7 +168,7 @@ def test_a_junction_stored_below_a_boundary_becomes_its_parent():
     """A second question on a document stores a state where it forks from the first
     (inside the document), after the first's boundary: both are then its children, and
     it is a branch point, not a boundary superseded by the newer question."""
-    index = StoreIndex(cpu_capacity=10_000, recurrent=True)
+    index = StoreIndex(cpu_capacity=850, recurrent=True)
     chunks(index, 1, 4)
     assert boundary(index, 1, 3)  # the first question's boundary, past the fork
     index.admit(chunk(2, 3), 50)  # the second question's own last chunk
@@ -179,6 +179,14 @@ def test_a_junction_stored_below_a_boundary_becomes_its_parent():
     first = index._boundaries[index.boundary_id(chunk(1, 3, STATE))]
     assert first.parent == junction and len(index._children[junction]) == 2
     assert first.own_bytes == 200 + 50  # its states and the one chunk past the junction
+    # Full: each question's boundary goes before the junction, which stays a branch
+    # point with one child left (not superseded by it).
+    index.capacity = index.gauges()["cpu_bytes"]
+    for c in range(2):
+        assert index.admit(chunk(9, c), 250)
+        index.pin([chunk(9, c)])
+    assert index.boundary_id(chunk(1, 2, STATE)) == junction
+    assert index.stats.evicted_superseded == 0 and index.stats.evicted_boundaries == 2
 
 
 def test_children_follow_their_parent_when_it_leaves():

@@ -64,6 +64,7 @@ class Boundary:
     parent: bytes | None = None  # the chain's previous boundary in CPU memory
     reused: bool = False  # used again since its admission (a hit, or vLLM's own)
     returning: bool = False  # stored again after CPU memory evicted its chunks
+    junction: bool = False  # stored below a longer boundary of another chain: a fork
 
 
 def eviction_order(

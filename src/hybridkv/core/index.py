@@ -288,7 +288,9 @@ class StoreIndex:
     def _adopt(self, bid: bytes, last: bytes) -> None:
         """Make a new boundary the parent of the longer ones admitted before it that
         pass through it (they need its last chunk) and had its parent: a junction stored
-        below a sibling's boundary is the branch point of both."""
+        below a sibling's boundary is the branch point of both, and stays one while
+        either remains (it is not superseded by the one left: that one ends in another
+        request's own tokens, as a question asked of a document does)."""
         b = self._boundaries[bid]
         for other in self._needed_by.get(last, ()):
             o = self._boundaries[other]
@@ -297,6 +299,7 @@ class StoreIndex:
             if o.parent is not None:
                 self._children[o.parent].discard(other)
             o.parent = bid
+            b.junction = True
             self._children.setdefault(bid, set()).add(other)
             kept = set(b.needs)
             o.own_bytes = sum(self._cpu[k] for k in o.states) + sum(
@@ -401,7 +404,8 @@ class StoreIndex:
             children = self._children
             for bid, b in self._boundaries.items():
                 if held.isdisjoint(b.states):
-                    by_children[min(len(children.get(bid, ())), 2)].append(b)
+                    n = len(children.get(bid, ()))
+                    by_children[2 if b.junction and n else min(n, 2)].append(b)
         superseded = sorted(by_children[1], key=lambda b: b.used)
         leaves, forks = by_children[0], by_children[2]
         gone: set[bytes] = set()
