@@ -31,10 +31,10 @@ boundary plus the attention chunks before it. So the index keeps boundaries
    child serves every request that follows the path further, so this one serves only a
    request that forks between the two; a conversation's earlier turns are the common
    case. Only their states go: the child needs their chunks;
-3. whole leaf boundaries (no child), each with the chunks only it needed: fresh ones
-   by utility (recency combined with prefill saved per byte, `eviction.utility`), then
-   returning ones (stored again after their chunks were evicted: a loop larger than
-   the budget) newest first, then those reused since admission (`eviction.eviction_order`);
+3. whole leaf boundaries (no child), each with the chunks only it needed, in
+   `eviction.eviction_order`: by utility (recency combined with prefill saved per
+   byte), those reused since admission last; once evicted chunks have come back (a
+   working set larger than the budget, in turn), live ones newest first;
 4. branch points (two or more children: a shared system prompt, a document several
    questions fork from), by utility, last. Their `own_bytes` overstates what evicting
    them frees (their chunks stay while a child needs them) and every chain through them
@@ -62,13 +62,12 @@ AHEAD_FROM = 256
 # others (segmented LRU's protected segment; core/eviction.py).
 PROTECTED = 0.8
 # Attention chunks evicted from CPU memory are remembered (key -> last use) in a bounded
-# list, GHOSTS_PER_ENTRY times as many as CPU memory holds (at least GHOSTS_MIN): a
-# boundary stored again with a remembered chunk is *returning* (core/eviction.py).
+# list, GHOSTS_PER_ENTRY times as many as CPU memory holds (at least GHOSTS_MIN): one
+# stored again is a *return* (core/eviction.py). A boundary idle for more than
+# LIVE_GAPS times the typical return gap is dead.
 GHOSTS_PER_ENTRY = 4
 GHOSTS_MIN = 1024
-# A returning boundary idle for more than STALE_GAPS times the typical return gap (ticks
-# between a chunk's last use before eviction and its return) no longer counts as one.
-STALE_GAPS = 4.0
+LIVE_GAPS = 4.0
 
 
 @dataclass
@@ -146,8 +145,7 @@ class StoreIndex:
         # ones that are not), so that it need not look at every entry in CPU memory.
         self._loose: OrderedDict[bytes, None] = OrderedDict()
         self._ghosts: OrderedDict[bytes, int] = OrderedDict()  # evicted chunk -> last use
-        self._back: dict[bytes, int] = {}  # ghosts stored again, until a boundary claims them
-        self._return_gap = 0.0  # running mean of returning chunks' gaps, in ticks
+        self._return_gap = 0.0  # running mean of returns' gaps, in ticks (0: none yet)
         self._listed: set[int] | None = set() if disk else None
         self._cpu: OrderedDict[bytes, int] = OrderedDict()  # key -> bytes, LRU first
         self._used = 0
@@ -273,7 +271,6 @@ class StoreIndex:
             own_bytes * self.ranks,
             self._tick,
             parent,
-            returning=self._returning(needs),
         )
         if parent is not None:
             self._children.setdefault(parent, set()).add(bid)
@@ -306,16 +303,6 @@ class StoreIndex:
                 self._cpu.get(k, 0) for k in o.needs if k not in kept
             )
 
-    def _returning(self, needs: list[bytes]) -> bool:
-        """Whether a new boundary needs a chunk that was evicted and stored again since
-        the last boundary admitted. Updates the typical return gap."""
-        last = [self._back.pop(k) for k in needs if k in self._back]
-        if not last:
-            return False
-        gap = self._tick - max(last)
-        self._return_gap = gap if not self._return_gap else (3 * self._return_gap + gap) / 4
-        return True
-
     def admit(self, key: bytes, nbytes: int) -> bool:
         """Make room for a new entry (evicting the least recently used unpinned ones) and
         count it in; False, and nothing evicted, if it cannot fit."""
@@ -337,8 +324,9 @@ class StoreIndex:
         if self.recurrent:
             self._loose[key] = None
             last = self._ghosts.pop(key, None)
-            if last is not None:
-                self._back[key] = last
+            if last is not None:  # a return
+                gap = self._tick - last
+                self._return_gap += (gap - self._return_gap) / (16 if self._return_gap else 1)
         # Dropped earlier this step and stored again: the workers' copy stays good.
         for dropped in (self.orders.evict, self.orders.delete):
             if key in dropped:
@@ -409,12 +397,12 @@ class StoreIndex:
         superseded = sorted(by_children[1], key=lambda b: b.used)
         leaves, forks = by_children[0], by_children[2]
         gone: set[bytes] = set()
-        stale_after = STALE_GAPS * self._return_gap if self._return_gap else float("inf")
+        live_for = LIVE_GAPS * self._return_gap if self._return_gap else None
         room = PROTECTED * self.capacity
         order = [
             *superseded,
-            *eviction_order(leaves, self.alpha, room, self._tick, stale_after),
-            *eviction_order(forks, self.alpha, room, self._tick, stale_after),
+            *eviction_order(leaves, self.alpha, room, self._tick, live_for),
+            *eviction_order(forks, self.alpha, room, self._tick, live_for),
         ]
         last_use = dict.fromkeys(victims, self._tick)  # orphans' chunks
         for b in order:
@@ -467,7 +455,6 @@ class StoreIndex:
         self._promoting.pop(key, None)
         self._sources.pop(key, None)
         self._loose.pop(key, None)
-        self._back.pop(key, None)
         bid = self._boundary_of.get(key)
         if bid is not None:
             self._forget_boundary(bid)
@@ -591,7 +578,6 @@ class StoreIndex:
         self._children.clear()
         self._loose.clear()
         self._ghosts.clear()
-        self._back.clear()
         self._return_gap = 0.0
         self._disk.clear()
         self.epoch += 1
