@@ -35,11 +35,14 @@ boundary plus the attention chunks before it. So the index keeps boundaries
    `eviction.eviction_order`: by utility (recency combined with prefill saved per
    byte), those reused since admission last; once evicted chunks have come back (a
    working set larger than the budget, in turn), live ones newest first;
-4. branch points (two or more children: a shared system prompt, a document several
-   questions fork from), by utility, last. Their `own_bytes` overstates what evicting
-   them frees (their chunks stay while a child needs them) and every chain through them
-   falls back to a shorter hit without them, so utility alone would evict the shared
-   head first. Marconi's radix tree, likewise, only evicts nodes with one child or none.
+4. branch points, in the same order, last: two or more children (a shared system
+   prompt, a document several questions fork from), or a *junction* stored below a
+   longer boundary of another chain while either remains (its children's states end
+   in their own requests' tokens, so it is not superseded). Their `own_bytes`
+   overstates what evicting them frees (their chunks stay while a child needs them) and
+   every chain through them falls back to a shorter hit without them, so utility alone
+   would evict the shared head first. Marconi's radix tree, likewise, only evicts nodes
+   with one child or none.
 A boundary's states are admitted, and evicted, together: one state without the others
 serves nothing.
 """
