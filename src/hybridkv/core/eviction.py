@@ -34,8 +34,10 @@ asked about in rounds, conversations taking turns): LRU evicts each entry just b
 its next use (on the docqa trace hybridkv then served less than vLLM's LRU). The index
 detects that from *returns*: it remembers recently evicted chunks, and one stored again
 is a return, whose gap (logical ticks from its last use to its return) estimates how
-long the workload takes to come back. Until the first return, `eviction_order` is
-utility (recency first). After it, among leaves and likewise among branch points:
+long the workload takes to come back. While returns are a minority of what is stored,
+`eviction_order` is utility (recency first): a budget a little short of a
+recency-friendly working set (a chat) keeps its newest entries. While they are most of
+it, the workload loops, and among leaves and likewise among branch points:
 1. *dead* boundaries, idle for more than a few typical gaps, go first, by utility;
 2. then live ones, most recently used first: the one used last is the one whose next
    use is furthest away, which is Belady's choice in a loop; a fixed set then stays
@@ -43,8 +45,8 @@ utility (recency first). After it, among leaves and likewise among branch points
 3. *protected* ones last: reused since admission (a hit, or vLLM's own), the most
    recently used of them up to a share of the budget (segmented LRU's protected
    segment; the older ones are ordered with the rest).
-On the traces of bench/hit_rate.py this served 2.7x the document QA hits at the
-tightest budget, and a little more on chat, than utility alone (docs/benchmarks.md).
+Switching on the first return instead cost chat a sixth of its hits at 6-8 MiB; the
+share keeps both (docs/benchmarks.md, "Hit rate at equal CPU bytes").
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def eviction_order(
 ) -> list[Boundary]:
     """`boundaries` from the first to evict to the last (see the module docstring).
     `room`: bytes the protected ones may take; `live_for`: ticks an idle boundary stays
-    live, None before the first return."""
+    live, None unless the workload loops."""
     live = [b for b in boundaries if live_for is None or now - b.used <= live_for]
     reused = sorted((b for b in live if b.reused), key=lambda b: b.used, reverse=True)
     protected: list[Boundary] = []

@@ -33,8 +33,9 @@ boundary plus the attention chunks before it. So the index keeps boundaries
    case. Only their states go: the child needs their chunks;
 3. whole leaf boundaries (no child), each with the chunks only it needed, in
    `eviction.eviction_order`: by utility (recency combined with prefill saved per
-   byte), those reused since admission last; once evicted chunks have come back (a
-   working set larger than the budget, in turn), live ones newest first;
+   byte), those reused since admission last; while most chunks stored are ones evicted
+   before (a working set larger than the budget, coming back in turn), live ones
+   newest first;
 4. branch points, in the same order, last: two or more children (a shared system
    prompt, a document several questions fork from), or a *junction* stored below a
    longer boundary of another chain while either remains (its children's states end
@@ -66,10 +67,14 @@ AHEAD_FROM = 256
 PROTECTED = 0.8
 # Attention chunks evicted from CPU memory are remembered (key -> last use) in a bounded
 # list, GHOSTS_PER_ENTRY times as many as CPU memory holds (at least GHOSTS_MIN): one
-# stored again is a *return* (core/eviction.py). A boundary idle for more than
-# LIVE_GAPS times the typical return gap is dead.
+# stored again is a *return* (core/eviction.py). While more than LOOPING_SHARE of the
+# chunks admitted lately (a running mean over about RETURN_WINDOW) are returns, the
+# workload is taken to loop, and a boundary idle for more than LIVE_GAPS times the
+# typical return gap is dead.
 GHOSTS_PER_ENTRY = 4
 GHOSTS_MIN = 1024
+RETURN_WINDOW = 64
+LOOPING_SHARE = 0.5
 LIVE_GAPS = 4.0
 
 
@@ -148,7 +153,8 @@ class StoreIndex:
         # ones that are not), so that it need not look at every entry in CPU memory.
         self._loose: OrderedDict[bytes, None] = OrderedDict()
         self._ghosts: OrderedDict[bytes, int] = OrderedDict()  # evicted chunk -> last use
-        self._return_gap = 0.0  # running mean of returns' gaps, in ticks (0: none yet)
+        self._return_gap = 0.0  # running mean of returns' gaps, in ticks
+        self._return_share = 0.0  # running share of the chunks admitted that are returns
         self._listed: set[int] | None = set() if disk else None
         self._cpu: OrderedDict[bytes, int] = OrderedDict()  # key -> bytes, LRU first
         self._used = 0
@@ -327,6 +333,7 @@ class StoreIndex:
         if self.recurrent:
             self._loose[key] = None
             last = self._ghosts.pop(key, None)
+            self._return_share += ((last is not None) - self._return_share) / RETURN_WINDOW
             if last is not None:  # a return
                 gap = self._tick - last
                 self._return_gap += (gap - self._return_gap) / (16 if self._return_gap else 1)
@@ -400,7 +407,8 @@ class StoreIndex:
         superseded = sorted(by_children[1], key=lambda b: b.used)
         leaves, forks = by_children[0], by_children[2]
         gone: set[bytes] = set()
-        live_for = LIVE_GAPS * self._return_gap if self._return_gap else None
+        looping = self._return_share > LOOPING_SHARE
+        live_for = LIVE_GAPS * self._return_gap if looping else None
         room = PROTECTED * self.capacity
         order = [
             *superseded,
@@ -581,7 +589,7 @@ class StoreIndex:
         self._children.clear()
         self._loose.clear()
         self._ghosts.clear()
-        self._return_gap = 0.0
+        self._return_gap = self._return_share = 0.0
         self._disk.clear()
         self.epoch += 1
         self.orders = Orders(clear=True)
