@@ -6,6 +6,7 @@ bench/results/hit_rate-<trace>.{json,png}.
     .venv/bin/python bench/hit_rate.py                       # chat, agentic, docqa; 4..64 MiB
     .venv/bin/python bench/hit_rate.py --quick               # small chat trace, 2 budgets
     .venv/bin/python bench/hit_rate.py --traces agentic --budgets-mib 8 32
+    .venv/bin/python bench/hit_rate.py --systems hybridkv --reuse-runs OLD_RESULTS_DIR
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ def main() -> None:
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--log", help="append every engine process's output to this file")
     p.add_argument("--quick", action="store_true", help="small chat trace, 2 budgets (~2 min)")
+    p.add_argument(
+        "--reuse-runs",
+        type=Path,
+        help="directory of earlier results whose vllm-offload / none runs join these",
+    )
     args = vars(p.parse_args())
     run(HitRateSettings.make(**args))
 

@@ -97,3 +97,20 @@ def test_bench_rejects_an_unknown_system(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_hit_rate_reuses_only_comparable_runs_of_other_systems(tmp_path):
+    from hybridkv.benchmarks.hit_rate import reuse
+
+    def result(kv: int, *systems: str) -> dict:
+        runs = [{"figures": {"system": s}} for s in systems]
+        return {"trace_params": {"seed": 0}, "kv_cache_bytes": kv, "runs": runs}
+
+    earlier = tmp_path / "hit_rate-chat.json"
+    earlier.write_text(json.dumps(result(4, "hybridkv@old", "vllm-offload", "none")))
+    now = result(4, "hybridkv")
+    reuse(now, earlier)
+    assert [r["figures"]["system"] for r in now["runs"]] == ["hybridkv", "vllm-offload", "none"]
+    assert now["reused"]["systems"] == ["none", "vllm-offload"]
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        reuse(result(8, "hybridkv"), earlier)

@@ -179,14 +179,11 @@ def test_a_junction_stored_below_a_boundary_becomes_its_parent():
     first = index._boundaries[index.boundary_id(chunk(1, 3, STATE))]
     assert first.parent == junction and len(index._children[junction]) == 2
     assert first.own_bytes == 200 + 50  # its states and the one chunk past the junction
-    # Full: each question's boundary goes before the junction, which stays a branch
-    # point with one child left (not superseded by it).
+    # Full: a question's boundary goes first (a leaf), not the junction's states.
     index.capacity = index.gauges()["cpu_bytes"]
-    for c in range(2):
-        assert index.admit(chunk(9, c), 250)
-        index.pin([chunk(9, c)])
+    assert index.admit(chunk(9, 0), 250)
     assert index.boundary_id(chunk(1, 2, STATE)) == junction
-    assert index.stats.evicted_superseded == 0 and index.stats.evicted_boundaries == 2
+    assert index.stats.evicted_superseded == 0 and index.stats.evicted_boundaries == 1
 
 
 def test_children_follow_their_parent_when_it_leaves():
@@ -254,6 +251,15 @@ def test_reused_leaves_beyond_the_protected_share_go_like_fresh_ones():
         visit(index, chain)
     visit(index, 7)
     assert not held(index, 1) and held(index, 6)
+
+
+def test_a_few_returns_leave_eviction_by_recency():
+    """A chain evicted and stored again among many new ones (a chat a little over its
+    budget) does not make the index evict the newest first."""
+    index = StoreIndex(cpu_capacity=2000, recurrent=True)  # five chains
+    for chain in (0, 1, 2, 3, 4, 5, 0, 6):  # 5 evicts 0, which comes back and evicts 1
+        visit(index, chain)
+    assert held(index, 0) and held(index, 6) and not held(index, 2)
 
 
 def test_a_loop_longer_than_memory_keeps_a_fixed_set_and_lets_it_go_after():

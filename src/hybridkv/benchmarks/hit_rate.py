@@ -189,6 +189,25 @@ def run_trace(trace: Trace, args: HitRateSettings, model: str, tmp: Path) -> dic
     }
 
 
+def reuse(result: dict[str, Any], path: Path) -> None:
+    """Add the runs in the earlier result `path` of systems `result` lacks, if it replayed
+    the same trace on the same engine settings (else fail: they would not compare)."""
+    earlier = json.loads(path.read_text())
+    same = ("trace_params", "arch", "size", "kv_cache_bytes", "max_model_len", "max_tokens")
+    for key in same:
+        if earlier.get(key) != result.get(key):
+            raise ValueError(f"{path}: {key} differs, its runs do not compare")
+    have = {run["figures"]["system"] for run in result["runs"]}
+    taken = [r for r in earlier["runs"] if not r["figures"]["system"].startswith("hybridkv")]
+    taken = [r for r in taken if r["figures"]["system"] not in have]
+    result["runs"] += taken
+    result["reused"] = {
+        "file": str(path),
+        "date": earlier.get("date"),
+        "systems": sorted({r["figures"]["system"] for r in taken}),
+    }
+
+
 def table(result: dict[str, Any]) -> str:
     t = result["trace"]
     lines = [
@@ -272,6 +291,9 @@ class HitRateSettings:
     out_dir: Path = Path("bench/results")
     log: str | None = None
     quick: bool = False
+    # A directory of earlier results: runs there of systems not run now (vLLM's connector
+    # and no connector do not depend on hybridkv's code) join each trace's result.
+    reuse_runs: Path | None = None
 
     def __post_init__(self) -> None:
         for name in self.systems:
@@ -310,6 +332,8 @@ def run(settings: HitRateSettings) -> list[Path]:
             )
             result = run_trace(trace, args, model, Path(tmp))
             result["wall_s"] = time.perf_counter() - t
+            if args.reuse_runs is not None:
+                reuse(result, Path(args.reuse_runs) / f"hit_rate-{name}.json")
             out = args.out_dir / f"hit_rate-{name}.json"
             png = write_result(result, out, lambda ax, r=result: draw(r, ax))
             print(table(result))

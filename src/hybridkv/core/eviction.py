@@ -66,7 +66,6 @@ class Boundary:
     used: int  # logical time of its last use
     parent: bytes | None = None  # the chain's previous boundary in CPU memory
     reused: bool = False  # used again since its admission (a hit, or vLLM's own)
-    junction: bool = False  # stored below a longer boundary of another chain: a fork
 
 
 def eviction_order(

@@ -36,14 +36,12 @@ boundary plus the attention chunks before it. So the index keeps boundaries
    byte), those reused since admission last; while most chunks stored are ones evicted
    before (a working set larger than the budget, coming back in turn), live ones
    newest first;
-4. branch points, in the same order, last: two or more children (a shared system
-   prompt, a document several questions fork from), or a *junction* stored below a
-   longer boundary of another chain while either remains (its children's states end
-   in their own requests' tokens, so it is not superseded). Their `own_bytes`
-   overstates what evicting them frees (their chunks stay while a child needs them) and
-   every chain through them falls back to a shorter hit without them, so utility alone
-   would evict the shared head first. Marconi's radix tree, likewise, only evicts nodes
-   with one child or none.
+4. branch points (two or more children: a shared system prompt, a document several
+   questions fork from, a junction stored below a sibling's longer boundary), in the
+   same order, last. Their `own_bytes` overstates what evicting them frees (their
+   chunks stay while a child needs them) and every chain through them falls back to a
+   shorter hit without them, so utility alone would evict the shared head first.
+   Marconi's radix tree, likewise, only evicts nodes with one child or none.
 A boundary's states are admitted, and evicted, together: one state without the others
 serves nothing.
 """
@@ -294,9 +292,9 @@ class StoreIndex:
     def _adopt(self, bid: bytes, last: bytes) -> None:
         """Make a new boundary the parent of the longer ones admitted before it that
         pass through it (they need its last chunk) and had its parent: a junction stored
-        below a sibling's boundary is the branch point of both, and stays one while
-        either remains (it is not superseded by the one left: that one ends in another
-        request's own tokens, as a question asked of a document does)."""
+        below a sibling's boundary is the branch point of both. (Keeping it as one after
+        either child leaves served document QA more but the agent trace less:
+        docs/benchmarks.md.)"""
         b = self._boundaries[bid]
         for other in self._needed_by.get(last, ()):
             o = self._boundaries[other]
@@ -305,7 +303,6 @@ class StoreIndex:
             if o.parent is not None:
                 self._children[o.parent].discard(other)
             o.parent = bid
-            b.junction = True
             self._children.setdefault(bid, set()).add(other)
             kept = set(b.needs)
             o.own_bytes = sum(self._cpu[k] for k in o.states) + sum(
@@ -403,7 +400,7 @@ class StoreIndex:
             for bid, b in self._boundaries.items():
                 if held.isdisjoint(b.states):
                     n = len(children.get(bid, ()))
-                    by_children[2 if b.junction and n else min(n, 2)].append(b)
+                    by_children[min(n, 2)].append(b)
         superseded = sorted(by_children[1], key=lambda b: b.used)
         leaves, forks = by_children[0], by_children[2]
         gone: set[bytes] = set()
