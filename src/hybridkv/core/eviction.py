@@ -45,8 +45,9 @@ it, the workload loops, and among leaves and likewise among branch points:
 3. *protected* ones last: reused since admission (a hit, or vLLM's own), the most
    recently used of them up to a share of the budget (segmented LRU's protected
    segment; the older ones are ordered with the rest).
-Switching on the first return instead cost chat a sixth of its hits at 6-8 MiB; the
-share keeps both (docs/benchmarks.md, "Hit rate at equal CPU bytes").
+Switching to that order at the first return instead cost chat 13-16 % of its connector
+hits at 6-8 MiB against utility alone; switching by the share of returns gained there
+(docs/benchmarks.md, "Hit rate at equal CPU bytes").
 """
 
 from __future__ import annotations

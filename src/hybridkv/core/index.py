@@ -296,6 +296,7 @@ class StoreIndex:
         either child leaves served document QA more but the agent trace less:
         docs/benchmarks.md.)"""
         b = self._boundaries[bid]
+        shared = set(b.needs)
         for other in self._needed_by.get(last, ()):
             o = self._boundaries[other]
             if o.parent != b.parent or o.tokens <= b.tokens:
@@ -304,9 +305,8 @@ class StoreIndex:
                 self._children[o.parent].discard(other)
             o.parent = bid
             self._children.setdefault(bid, set()).add(other)
-            kept = set(b.needs)
             o.own_bytes = sum(self._cpu[k] for k in o.states) + sum(
-                self._cpu.get(k, 0) for k in o.needs if k not in kept
+                self._cpu.get(k, 0) for k in o.needs if k not in shared
             )
 
     def admit(self, key: bytes, nbytes: int) -> bool:
@@ -399,8 +399,7 @@ class StoreIndex:
             children = self._children
             for bid, b in self._boundaries.items():
                 if held.isdisjoint(b.states):
-                    n = len(children.get(bid, ()))
-                    by_children[min(n, 2)].append(b)
+                    by_children[min(len(children.get(bid, ())), 2)].append(b)
         superseded = sorted(by_children[1], key=lambda b: b.used)
         leaves, forks = by_children[0], by_children[2]
         gone: set[bytes] = set()
