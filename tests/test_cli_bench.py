@@ -95,10 +95,6 @@ def test_bench_rejects_an_unknown_system(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
-
-
 def test_hit_rate_reuses_only_comparable_runs_of_other_systems(tmp_path):
     from hybridkv.benchmarks.hit_rate import reuse
 
@@ -114,3 +110,12 @@ def test_hit_rate_reuses_only_comparable_runs_of_other_systems(tmp_path):
     assert now["reused"]["systems"] == ["none", "vllm-offload"]
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         reuse(result(8, "hybridkv"), earlier)
+    # A directory that is not there fails before any engine runs.
+    from hybridkv.benchmarks.hit_rate import HitRateSettings
+
+    with pytest.raises(ValueError, match="reuse_runs"):
+        HitRateSettings(reuse_runs=tmp_path / "missing")
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -296,6 +296,8 @@ class HitRateSettings:
     reuse_runs: Path | None = None
 
     def __post_init__(self) -> None:
+        if self.reuse_runs is not None and not Path(self.reuse_runs).is_dir():
+            raise ValueError(f"reuse_runs: {self.reuse_runs} is not a directory")
         for name in self.systems:
             if not (name in SYSTEMS or (name.startswith("hybridkv@") and len(name) > 9)):
                 raise ValueError(f"systems: expected {SYSTEMS} or hybridkv@REV, got {name!r}")
@@ -330,10 +332,15 @@ def run(settings: HitRateSettings) -> list[Path]:
             print(
                 f"{name}: {len(trace)} requests, {trace.prompt_tokens()} prompt tokens", flush=True
             )
+            earlier = None
+            if args.reuse_runs is not None:
+                earlier = Path(args.reuse_runs) / f"hit_rate-{name}.json"
+                if not earlier.is_file():  # before the replays, not after them
+                    raise ValueError(f"reuse_runs: no {earlier.name} in {args.reuse_runs}")
             result = run_trace(trace, args, model, Path(tmp))
             result["wall_s"] = time.perf_counter() - t
-            if args.reuse_runs is not None:
-                reuse(result, Path(args.reuse_runs) / f"hit_rate-{name}.json")
+            if earlier is not None:
+                reuse(result, earlier)
             out = args.out_dir / f"hit_rate-{name}.json"
             png = write_result(result, out, lambda ax, r=result: draw(r, ax))
             print(table(result))

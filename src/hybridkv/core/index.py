@@ -296,11 +296,12 @@ class StoreIndex:
         either child leaves served document QA more but the agent trace less:
         docs/benchmarks.md.)"""
         b = self._boundaries[bid]
-        shared = set(b.needs)
+        shared: set[bytes] | None = None  # b's chunks, once a boundary is adopted
         for other in self._needed_by.get(last, ()):
             o = self._boundaries[other]
             if o.parent != b.parent or o.tokens <= b.tokens:
                 continue
+            shared = set(b.needs) if shared is None else shared
             if o.parent is not None:
                 self._children[o.parent].discard(other)
             o.parent = bid
