@@ -9,7 +9,9 @@ never touches an entry's bytes, so no tier takes part. The layout is Qwen3-Next'
 (one full-attention group, three recurrent groups, 256-token chunks).
 
 Cases: nothing stored; the whole prompt stored (a hit to its checkpoint; a request's
-chain keys are computed at its first lookup and reused by the next); and admitting one
+chain keys are computed at its first lookup and reused by the next); the whole prompt on
+disk only, asked again while its promotions are under way (what the scheduler asks of
+every waiting request in every step of a restore); and admitting one
 boundary into a CPU budget full of others (`StoreIndex.admit_boundary`, which picks what
 to evict by the policy), at several numbers of boundaries held.
 
@@ -28,7 +30,7 @@ from pathlib import Path
 
 from common import RESULTS
 
-from hybridkv.core.index import StoreIndex
+from hybridkv.core.index import StoreIndex, WorkerReport
 from hybridkv.core.keys import chunk_keys, group_key
 from hybridkv.core.layout import GroupKind, GroupSpec, Layout
 from hybridkv.core.planner import Planner
@@ -52,12 +54,13 @@ def request(req_id: str, prompt: list[int]):
     return Request(req_id, prompt, SamplingParams(max_tokens=1), None)
 
 
-def side_with(capacity: int) -> SchedulerSide:
+def side_with(capacity: int, disk: bool = False) -> SchedulerSide:
     lay = layout()
     planner = Planner(lay.groups)
-    index = StoreIndex(capacity, recurrent=True)
+    index = StoreIndex(capacity, disk=disk, recurrent=True)
     policy = CheckpointPolicy("prompt_and_end", planner.chunk_tokens)
-    return SchedulerSide(lay, planner, policy, index, enabled=True, below=False)
+    tiers = [("disk", 1.0)] if disk else []
+    return SchedulerSide(lay, planner, policy, index, enabled=True, below=disk, tiers=tiers)
 
 
 def store_prompt(side: SchedulerSide, req, keys: list[bytes]) -> None:
@@ -145,6 +148,17 @@ def main() -> None:
     assert side.num_new_matched_tokens(hit, 0) == side.policy.prompt_checkpoint(len(prompt))
     results["lookup, hit to the prompt's checkpoint"] = timed(
         lambda: side.num_new_matched_tokens(hit, 0), args.repeats
+    )
+    waiting = side_with(1 << 40, disk=True)
+    req = request("waiting", prompt)
+    ckpt = waiting.planner.max_hit_chunks(len(prompt))
+    on_disk = [group_key(k, 0) for k in keys[:ckpt]]
+    on_disk += [group_key(keys[ckpt - 1], g) for g in (1, 2, 3)]
+    listing = WorkerReport(listed=True, disk=[(k, True) for k in on_disk])
+    waiting.index.apply(0, listing)
+    assert waiting.num_new_matched_tokens(req, 0) is None  # its promotions start
+    results["lookup, waiting for its promotions"] = timed(
+        lambda: waiting.num_new_matched_tokens(req, 0), args.repeats
     )
     for held in args.held:
         mean, longest = admission_cost(held, max(held, 200))

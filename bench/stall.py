@@ -4,17 +4,21 @@ restore long prefixes from the disk tier (issue 11's benchmark; goal: p99 ratio 
 One in-process engine (qwen3-next small). First `--prefixes` prompts of `--prefix-tokens`
 tokens each are computed once, so hybridkv stores them (at least 256 MiB in total by
 default). Then, in each of `--rounds` rounds:
-  alone     a decoding request runs by itself for `--alone-steps` engine steps
-  restore   every stored prefix is requested again while it keeps decoding, with the
-            CPU tier emptied and the files dropped from the page cache
-            (`posix_fadvise(DONTNEED)`): hybridkv reads them from disk in the background
-            while the scheduler answers "ask again", then loads them all
+  alone      a decoding request runs by itself for `--alone-steps` engine steps
+  restoring  every stored prefix is requested again while it keeps decoding, with the
+             CPU tier emptied and the files dropped from the page cache
+             (`posix_fadvise(DONTNEED)`): hybridkv reads them from disk in the
+             background while the scheduler answers "ask again", then loads them
+  replayed   the same requests again, each added in the step it ran in while
+             restoring: vLLM's own prefix cache now serves every prefix, so the decoder
+             shares its steps with the same forwards and none of hybridkv's work
 The decoder's inter-token gaps are the wall times between the engine steps that gave it
 a token. The figure is p99(gap while restoring) / p99(gap alone), gaps pooled over the
-rounds; p50 and the max are printed too, and each round's restore window (the restore
-requests' arrival to the last one's end): how long the restorers waited. Each prompt is
-one token past a chunk boundary, so a restored request computes a single token: what the
-decoder waits for is the read and the load, not the restorers' own prefill.
+rounds; restoring over replayed is hybridkv's own share of it, replayed over alone the
+restored requests' own forwards. p50, the max and each round's p99 are printed too, with
+the restore requests' waits (arrival to end: their TTFT) and each round's restore window
+(arrival to the last one's end). Each prompt is one token past a chunk boundary, so a
+restored request computes a single token (attending over the whole prefix).
 
     .venv/bin/python bench/stall.py                 # 8 x 15360 tokens (~265 MiB)
     .venv/bin/python bench/stall.py --prefixes 2 --prefix-tokens 3840 --rounds 1  # quick
@@ -40,13 +44,31 @@ from hybridkv.benchmarks.figures import percentile
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def summary(gaps: list[float]) -> dict[str, float]:
+PHASES = ("alone", "restoring", "replayed")
+
+
+def summary(rounds: list[list[float]]) -> dict:
+    """A phase's gaps pooled over the rounds, with each round's p99 and its three
+    longest gaps (index in the phase, ms): one slow gap decides a p99 of a few hundred."""
+    gaps = [g for r in rounds for g in r]
     return {
         "n": len(gaps),
         "p50_ms": statistics.median(gaps) * 1e3,
         "p99_ms": percentile(gaps, 0.99) * 1e3,
         "max_ms": max(gaps) * 1e3,
+        "p99_by_round_ms": [round(percentile(r, 0.99) * 1e3, 1) for r in rounds],
+        "longest_by_round": [
+            sorted(((i, round(g * 1e3, 1)) for i, g in enumerate(r)), key=lambda x: -x[1])[:3]
+            for r in rounds
+        ],
     }
+
+
+def collect(outs: dict, pending: set[str]) -> int:
+    """Drop the requests of `pending` that finished in `outs`; their cached tokens."""
+    done = [o for rid, o in outs.items() if rid in pending and o.finished]
+    pending.difference_update(o.request_id for o in done)
+    return sum(o.num_cached_tokens or 0 for o in done)
 
 
 @dataclass
@@ -136,12 +158,16 @@ def main() -> None:
     def params(n: int) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
 
-    alone: list[float] = []
-    restoring: list[float] = []
+    gaps: dict[str, list[list[float]]] = {name: [] for name in PHASES}  # per round
     restored_tokens = 0
-    windows: list[float] = []  # per round: the restore requests' arrival to the last's end
+    vllm_hit_tokens = 0
+    windows: list[float] = []  # per round: the restore requests' arrival to the last one's end
+    waits: list[float] = []  # each restore request's arrival to its end (its TTFT)
     loaded = worker_connector().worker_side.stats.loaded_bytes
     for r in range(args.rounds):
+        for name in PHASES:
+            gaps[name].append([])
+        alone, restoring, replayed = (gaps[name][-1] for name in PHASES)
         llm.reset_prefix_cache()
         drop_cpu_tier(llm)
         dropped = drop_page_cache(files)
@@ -157,17 +183,40 @@ def main() -> None:
                 alone.append(gap)
         for i, prompt in enumerate(prefixes):
             engine.add_request(f"restore-{r}-{i}", TokensPrompt(prompt_token_ids=prompt), params(1))
-        waiting = {f"restore-{r}-{i}" for i in range(len(prefixes))}
+        waiting = {f"restore-{r}-{i}": i for i in range(len(prefixes))}
+        ran_at: dict[int, int] = {}  # prefix -> the step (from the arrival) it ran in
         started = time.perf_counter()
+        step = 0
         while waiting:
             outs, gap = tracker.step(engine)
             if gap is not None:
                 restoring.append(gap)
             for rid, o in outs.items():
                 if rid in waiting and o.finished:
-                    waiting.discard(rid)
+                    ran_at[waiting.pop(rid)] = step
+                    waits.append(time.perf_counter() - started)
                     restored_tokens += o.num_cached_tokens or 0
+            step += 1
         windows.append(time.perf_counter() - started)
+
+        # The same requests again, each added in the step it ran in above: vLLM's own
+        # prefix cache now holds every prefix, so the decoder shares its steps with the
+        # same forwards and none of hybridkv's reads or loads.
+        hits_before = side.snapshot()["hit_tokens"]
+        pending = {f"again-{r}-{i}" for i in ran_at}
+        for replay_step in range(max(ran_at.values()) + 1):
+            for i in (i for i, at in ran_at.items() if at == replay_step):
+                engine.add_request(
+                    f"again-{r}-{i}", TokensPrompt(prompt_token_ids=prefixes[i]), params(1)
+                )
+            outs, gap = tracker.step(engine)
+            if gap is not None:
+                replayed.append(gap)
+            vllm_hit_tokens += collect(outs, pending)
+        while pending:
+            vllm_hit_tokens += collect(tracker.step(engine)[0], pending)
+        if side.snapshot()["hit_tokens"] != hits_before:
+            raise SystemExit("the replayed requests were served by hybridkv, not vLLM's cache")
         engine.abort_request([decoder])
         while engine.has_unfinished_requests():
             engine.step()
@@ -186,13 +235,20 @@ def main() -> None:
         "disk_bytes_per_round": disk_bytes,
         "loaded_bytes_per_round": loaded // max(args.rounds, 1),
         "restored_tokens_per_round": restored_tokens // max(args.rounds, 1),
+        "vllm_hit_tokens_per_round": vllm_hit_tokens // max(args.rounds, 1),
         "restore_window_s": windows,
-        "alone": summary(alone),
-        "restoring": summary(restoring),
+        "restore_ttft_s": {
+            "p50": statistics.median(waits),
+            "first": min(waits),
+            "mean": statistics.fmean(waits),
+        },
+        **{name: summary(gaps[name]) for name in PHASES},
         "snapshot": side.snapshot(),
     }
     result["p99_ratio"] = result["restoring"]["p99_ms"] / result["alone"]["p99_ms"]
     result["p50_ratio"] = result["restoring"]["p50_ms"] / result["alone"]["p50_ms"]
+    result["p99_over_replayed"] = result["restoring"]["p99_ms"] / result["replayed"]["p99_ms"]
+    result["replayed_p99_ratio"] = result["replayed"]["p99_ms"] / result["alone"]["p99_ms"]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
     mib = 1 << 20
@@ -201,14 +257,21 @@ def main() -> None:
         f"{result['loaded_bytes_per_round'] / mib:.0f} MiB loaded, "
         f"{disk_bytes / mib:.0f} MiB of entry files read cold"
     )
-    for name in ("alone", "restoring"):
+    print(f"vLLM's own hit per round (replayed): {result['vllm_hit_tokens_per_round']} tokens")
+    for name in PHASES:
         s = result[name]
         print(
             f"{name:10s} gaps {s['n']:4d}  p50 {s['p50_ms']:7.1f} ms  p99 {s['p99_ms']:7.1f} ms"
-            f"  max {s['max_ms']:7.1f} ms"
+            f"  max {s['max_ms']:7.1f} ms  (p99 by round: {s['p99_by_round_ms']})"
         )
     print(f"p99 ratio {result['p99_ratio']:.2f}  (p50 ratio {result['p50_ratio']:.2f})")
+    print(
+        f"replayed over alone: p99 {result['replayed_p99_ratio']:.2f}; restoring over "
+        f"replayed: p99 {result['p99_over_replayed']:.2f}"
+    )
     print("restore windows: " + ", ".join(f"{w:.2f} s" for w in windows))
+    t = result["restore_ttft_s"]
+    print(f"restore TTFT: first {t['first']:.2f} s, p50 {t['p50']:.2f} s, mean {t['mean']:.2f} s")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 """Worker: stores whose bytes are still being copied out (a GPU side stream) reach the
 tiers only once they have landed, serve loads meanwhile, and follow the orders given
 while they were in flight; loads write at most `load_step_bytes` a step and are
-reported only once every entry has landed in its blocks.
+reported only once every entry has landed in its blocks; promotions are reported a
+slice at a time.
 
 On a CPU cache every store lands at once, so the GPU's pending state is made here by
 holding the `Landing` the copy engine returns open (the one fault this file fakes: no
 CPU copy can be still running)."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
@@ -26,7 +30,7 @@ from hybridkv.vllm.metadata import (
     TaggedCopy,
     TagName,
 )
-from hybridkv.vllm.worker_side import TransferResults, WorkerSide
+from hybridkv.vllm.worker_side import PROMOTE_SLICE_ENTRIES, TransferResults, WorkerSide
 
 BLOCK_TOKENS, PAGE, BLOCKS = 16, 64, 8
 
@@ -267,3 +271,40 @@ def test_a_load_with_a_bad_plan_fails_alone(worker):
     ws.begin_step(HybridKVMetadata(loads=[RequestLoad("q", [bad])]))
     assert ws.transfer_results() == TransferResults({"p", "q"}, {"q"})
     assert torch.equal(cache[4:6], cache[0:2]) and ws.restoring == 0
+
+
+def test_a_promotion_is_reported_a_slice_at_a_time(worker, monkeypatch):
+    """The first slice's entries reach the index (and can be loaded) while the next
+    slice is still being read."""
+    ws, _, _ = worker
+    below = ws.store.tier("below")
+    keys = [b"p%03d" % i for i in range(PROMOTE_SLICE_ENTRIES + 5)]
+    for k in keys:
+        below.put(k, torch.full((PAGE,), len(k), dtype=torch.int8))
+    first_seen = threading.Event()
+    slices: list[int] = []
+    get_many = below.get_many
+
+    def paced(ks):
+        slices.append(len(ks))
+        if len(slices) == 2:
+            assert first_seen.wait(10)
+        return get_many(ks)
+
+    monkeypatch.setattr(below, "get_many", paced)
+    ws.begin_step(HybridKVMetadata(orders=Orders(promote=[(k, "below") for k in keys])))
+
+    def promoted(n: int) -> list[tuple[bytes, bool]]:
+        got: list[tuple[bytes, bool]] = []
+        deadline = time.monotonic() + 10
+        while len(got) < n and time.monotonic() < deadline:
+            got += [(k, ok) for _, k, ok in ws.report().promoted]
+            time.sleep(0.001)
+        return got
+
+    first = promoted(PROMOTE_SLICE_ENTRIES)
+    assert first == [(k, True) for k in keys[:PROMOTE_SLICE_ENTRIES]]
+    assert slices == [PROMOTE_SLICE_ENTRIES, 5]  # the second is being read, paused
+    assert ws.store.cpu.get(keys[0]) is not None
+    first_seen.set()
+    assert promoted(5) == [(k, True) for k in keys[PROMOTE_SLICE_ENTRIES:]]

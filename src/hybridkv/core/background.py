@@ -9,6 +9,13 @@ slowest: while 253 MiB were read from disk, a decode step of 30 ms took 130-240 
 (bench/stall.py). Lowered, the reads get the cycles the forward leaves and still all of
 an idle machine. On a GPU server the forward needs little host CPU, so the threads lose
 next to nothing there.
+
+Not the idle scheduling class (SCHED_IDLE), though it cut the decoder's stall further:
+such a thread gets almost no CPU while the forward's threads run, so a restore of
+253 MiB took 20-27 s instead of 5-6 s, and with one reader thread a single engine step
+took 140 s, twice in two runs: the engine waited on a thread that did not get to run
+(bench/stall.py, docs/benchmarks.md). A niced thread keeps a small share of the CPU,
+which bounds such a wait.
 """
 
 from __future__ import annotations

@@ -1,0 +1,84 @@
+"""A lookup whose hit is on disk only answers "ask again" while its promotions run, then
+the hit once every entry is in CPU memory; one failed promotion turns it into what the
+rest can serve. Repeated polls while nothing changed start nothing new, and a poll with
+another local hit from vLLM runs the hit rule again. Model-free: hybridkv's scheduler
+side on a real vLLM `Request`, with the workers' reports written by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.core.index import StoreIndex, WorkerReport
+from hybridkv.core.keys import group_key
+from hybridkv.core.layout import GroupKind, GroupSpec, Layout
+from hybridkv.core.planner import Planner
+from hybridkv.core.policy import CheckpointPolicy
+from hybridkv.vllm.scheduler_side import SchedulerSide
+
+BLOCK, CHUNKS = 16, 4
+STATES = (1, 2)
+
+
+@pytest.fixture
+def waiting():
+    """A scheduler side whose disk holds a prompt's chunks and checkpoint states, a
+    request for it, and the entries its hit needs."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    full = GroupSpec(GroupKind.FULL, BLOCK, 64, ("attn",))
+    states = [GroupSpec(GroupKind.STATE, BLOCK, 32, (f"gdn.{g}",)) for g in STATES]
+    layout = Layout("test/promotion-wait", (full, *states))
+    planner = Planner(layout.groups)
+    index = StoreIndex(1 << 20, disk=True, recurrent=True)
+    policy = CheckpointPolicy("prompt_and_end", planner.chunk_tokens)
+    side = SchedulerSide(
+        layout, planner, policy, index, enabled=True, below=True, tiers=[("disk", 1.0)]
+    )
+    prompt = list(range(1, CHUNKS * BLOCK + 2))
+    params = SamplingParams(max_tokens=1)
+    req = Request("r", prompt, sampling_params=params, pooling_params=None)
+    keys = side._keys(side._state(req), len(prompt))
+    needed = [group_key(k, 0) for k in keys[:CHUNKS]]
+    needed += [group_key(keys[CHUNKS - 1], g) for g in STATES]
+    index.apply(0, WorkerReport(listed=True, disk=[(k, True) for k in needed]))
+    return side, req, needed
+
+
+def promoted(side: SchedulerSide, keys: list[bytes], ok: bool = True) -> None:
+    side.index.apply(0, WorkerReport(promoted=[(side.index.epoch, k, ok) for k in keys]))
+
+
+def test_a_disk_hit_waits_for_every_promotion_and_polls_start_nothing_new(waiting):
+    side, req, needed = waiting
+    assert side.num_new_matched_tokens(req, 0) is None
+    assert sorted(k for k, _ in side.index.take_orders().promote) == sorted(needed)
+    promoted(side, needed[:-1])
+    for _ in range(3):
+        assert side.num_new_matched_tokens(req, 0) is None
+    assert not side.index.take_orders().promote
+    assert side.stats.waits == 4
+    promoted(side, needed[-1:])
+    assert side.num_new_matched_tokens(req, 0) == CHUNKS * BLOCK
+
+
+def test_a_failed_promotion_ends_the_wait_with_what_the_rest_can_serve(waiting):
+    side, req, needed = waiting
+    assert side.num_new_matched_tokens(req, 0) is None
+    promoted(side, needed[-1:], ok=False)  # a checkpoint state is damaged on disk
+    assert side.num_new_matched_tokens(req, 0) is None  # the rest are still being read
+    promoted(side, needed[:-1])
+    assert side.num_new_matched_tokens(req, 0) == 0  # no boundary is whole
+    assert side.index.pinned() == 0
+
+
+def test_a_poll_with_another_local_hit_runs_the_rule_again(waiting):
+    side, req, needed = waiting
+    assert side.num_new_matched_tokens(req, 0) is None
+    promoted(side, needed[:1])
+    side.index.take_orders()
+    # vLLM now serves the first chunk itself: the wait no longer needs it pinned.
+    assert side.num_new_matched_tokens(req, BLOCK) is None
+    assert needed[0] not in side._state(req).pins
+    promoted(side, needed[1:])
+    assert side.num_new_matched_tokens(req, BLOCK) == (CHUNKS - 1) * BLOCK
