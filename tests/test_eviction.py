@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.core.eviction import Boundary, utility
+from hybridkv.core.eviction import Boundary, by_utility
 from hybridkv.core.index import GHOSTS_MIN, GHOSTS_PER_ENTRY, StoreIndex
 from hybridkv.core.keys import group_key
 
@@ -209,9 +209,9 @@ def test_utility_prefers_recent_and_efficient_boundaries():
     new_short = Boundary(640, (b"b",), (), 1000, used=10)
     old_short = Boundary(640, (b"c",), (), 1000, used=1)
     cands = [old_long, new_short, old_short]
-    lru = sorted(cands, key=utility(cands, 0.0))
+    lru = by_utility(cands, 0.0)
     assert lru[-1] is new_short and lru[0] in (old_long, old_short)
-    weighted = sorted(cands, key=utility(cands, 2.0))
+    weighted = by_utility(cands, 2.0)
     assert weighted[0] is old_short and weighted[-1] is old_long  # 0 + 2 * 1 > 1 + 2 * 0.1
 
 

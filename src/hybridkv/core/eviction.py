@@ -52,8 +52,9 @@ hits at 6-8 MiB against utility alone; switching by the share of returns gained 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 
 @dataclass
@@ -69,14 +70,20 @@ class Boundary:
     reused: bool = False  # used again since its admission (a hit, or vLLM's own)
 
 
+_USED = attrgetter("used")
+
+
 def eviction_order(
     boundaries: Sequence[Boundary], alpha: float, room: float, now: int, live_for: float | None
 ) -> list[Boundary]:
     """`boundaries` from the first to evict to the last (see the module docstring).
     `room`: bytes the protected ones may take; `live_for`: ticks an idle boundary stays
-    live, None unless the workload loops."""
-    live = [b for b in boundaries if live_for is None or now - b.used <= live_for]
-    reused = sorted((b for b in live if b.reused), key=lambda b: b.used, reverse=True)
+    live, None unless the workload loops.
+
+    It runs on the scheduler's thread over every evictable boundary (10,000 in a large
+    budget), so it sorts on precomputed keys and skips the passes that cannot matter."""
+    live = boundaries if live_for is None else [b for b in boundaries if now - b.used <= live_for]
+    reused = sorted((b for b in live if b.reused), key=_USED, reverse=True)
     protected: list[Boundary] = []
     held = 0
     for b in reused:
@@ -84,26 +91,27 @@ def eviction_order(
             break
         held += b.own_bytes
         protected.append(b)
+    if live_for is None and not protected:
+        return by_utility(boundaries, alpha)
     later = {id(b) for b in protected}
     looping = [] if live_for is None else [b for b in live if id(b) not in later]
     later.update(id(b) for b in looping)
     first = [b for b in boundaries if id(b) not in later]
     return [
-        *sorted(first, key=utility(first, alpha)),
-        *sorted(looping, key=lambda b: b.used, reverse=True),
-        *sorted(protected, key=utility(protected, alpha)),
+        *by_utility(first, alpha),
+        *sorted(looping, key=_USED, reverse=True),
+        *by_utility(protected, alpha),
     ]
 
 
-def utility(candidates: Sequence[Boundary], alpha: float) -> Callable[[Boundary], float]:
-    """The sort key that orders `candidates` from the first to evict to the last."""
+def by_utility(candidates: Sequence[Boundary], alpha: float) -> list[Boundary]:
+    """`candidates` from the lowest utility to the highest (ties keep their order)."""
     if not candidates:
-        return lambda b: 0.0
-    oldest = min(b.used for b in candidates)
-    span = max(max(b.used for b in candidates) - oldest, 1)
-    best = max(b.tokens / max(b.own_bytes, 1) for b in candidates) or 1.0
-
-    def key(b: Boundary) -> float:
-        return (b.used - oldest) / span + alpha * (b.tokens / max(b.own_bytes, 1)) / best
-
-    return key
+        return []
+    used = [b.used for b in candidates]
+    saved = [b.tokens / (b.own_bytes or 1) for b in candidates]  # tokens per byte
+    oldest = min(used)
+    span = max(max(used) - oldest, 1)
+    best = max(saved) or 1.0
+    keys = [(u - oldest) / span + alpha * e / best for u, e in zip(used, saved, strict=True)]
+    return [candidates[i] for i in sorted(range(len(keys)), key=keys.__getitem__)]

@@ -394,15 +394,23 @@ class StoreIndex:
         for key in stale:
             del self._loose[key]
         orphans = len(victims)
-        by_children: dict[int, list[Boundary]] = {0: [], 1: [], 2: []}
+        leaves: list[Boundary] = []
+        superseded: list[Boundary] = []
+        forks: list[Boundary] = []
         if freed < needed:
             held = self._pins.keys() | self._promoting.keys()  # not evictable
             children = self._children
-            for bid, b in self._boundaries.items():
-                if held.isdisjoint(b.states):
-                    by_children[min(len(children.get(bid, ())), 2)].append(b)
-        superseded = sorted(by_children[1], key=lambda b: b.used)
-        leaves, forks = by_children[0], by_children[2]
+            for bid, b in self._boundaries.items():  # 10,000 of them in a large budget
+                if held and not held.isdisjoint(b.states):
+                    continue
+                kids = children.get(bid)
+                if not kids:
+                    leaves.append(b)
+                elif len(kids) == 1:
+                    superseded.append(b)
+                else:
+                    forks.append(b)
+            superseded.sort(key=lambda b: b.used)
         gone: set[bytes] = set()
         looping = self._return_share > LOOPING_SHARE
         live_for = LIVE_GAPS * self._return_gap if looping else None
