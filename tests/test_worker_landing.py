@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import wait
 
 import pytest
 import torch
@@ -308,3 +309,34 @@ def test_a_promotion_is_reported_a_slice_at_a_time(worker, monkeypatch):
     assert ws.store.cpu.get(keys[0]) is not None
     first_seen.set()
     assert promoted(5) == [(k, True) for k in keys[PROMOTE_SLICE_ENTRIES:]]
+
+
+def test_a_promotion_stops_reading_after_a_clear(worker, monkeypatch):
+    """The slices left when the index's epoch moves on are never read: it has forgotten
+    those promotions. They count as failed, like the slice read under the old epoch."""
+    ws, _, _ = worker
+    below = ws.store.tier("below")
+    keys = [b"q%03d" % i for i in range(2 * PROMOTE_SLICE_ENTRIES + 5)]
+    for k in keys:
+        below.put(k, torch.full((PAGE,), 3, dtype=torch.int8))
+    cleared = threading.Event()
+    slices: list[int] = []
+    get_many = below.get_many
+
+    def paced(ks):
+        slices.append(len(ks))
+        if len(slices) == 2:
+            assert cleared.wait(10)
+        return get_many(ks)
+
+    monkeypatch.setattr(below, "get_many", paced)
+    ws.begin_step(HybridKVMetadata(orders=Orders(promote=[(k, "below") for k in keys])))
+    deadline = time.monotonic() + 10
+    while len(slices) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    ws.begin_step(HybridKVMetadata(epoch=1))
+    cleared.set()
+    wait(ws._promotions, timeout=10)
+    assert slices == [PROMOTE_SLICE_ENTRIES, PROMOTE_SLICE_ENTRIES]
+    assert ws.stats.promoted_entries == PROMOTE_SLICE_ENTRIES
+    assert ws.stats.failed_promotions == PROMOTE_SLICE_ENTRIES + 5

@@ -301,8 +301,13 @@ class WorkerSide:
 
     def _promote(self, epoch: int, items: list[tuple[bytes, str]]) -> None:
         """Read entries of lower tiers into CPU memory (a background thread), a slice at a
-        time, each slice reported when it is read."""
+        time, each slice reported when it is read. After a clear the rest is not read:
+        the index has forgotten those promotions."""
         for start in range(0, len(items), PROMOTE_SLICE_ENTRIES):
+            if epoch != self.epoch:
+                with self._lock:
+                    self.stats.failed_promotions += len(items) - start
+                return
             self._promote_slice(epoch, items[start : start + PROMOTE_SLICE_ENTRIES])
 
     def _promote_slice(self, epoch: int, items: list[tuple[bytes, str]]) -> None:
