@@ -198,8 +198,11 @@ def reuse(result: dict[str, Any], path: Path) -> None:
         if earlier.get(key) != result.get(key):
             raise ValueError(f"{path}: {key} differs, its runs do not compare")
     have = {run["figures"]["system"] for run in result["runs"]}
-    taken = [r for r in earlier["runs"] if not r["figures"]["system"].startswith("hybridkv")]
-    taken = [r for r in taken if r["figures"]["system"] not in have]
+    taken = [
+        r
+        for r in earlier["runs"]
+        if not r["figures"]["system"].startswith("hybridkv") and r["figures"]["system"] not in have
+    ]
     result["runs"] += taken
     result["reused"] = {
         "file": str(path),
