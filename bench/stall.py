@@ -22,6 +22,7 @@ restored request computes a single token (attending over the whole prefix).
 
     .venv/bin/python bench/stall.py                 # 8 x 15360 tokens (~265 MiB)
     .venv/bin/python bench/stall.py --prefixes 2 --prefix-tokens 3840 --rounds 1  # quick
+    .venv/bin/python bench/stall.py --disk-path D --direct-io  # stored entries, O_DIRECT
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ def main() -> None:
         "--load-step-bytes", default="64MiB", help="hybridkv's load_step_bytes (0: no limit)"
     )
     p.add_argument("--disk-path", help="disk tier directory (default: a new temporary one)")
+    p.add_argument(
+        "--direct-io", action="store_true", help="disk_direct_io: read past the page cache"
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "stall.json")
     args = p.parse_args()
 
@@ -131,12 +135,16 @@ def main() -> None:
             "disk_path": str(disk),
             "disk_bytes": "16GiB",
             "load_step_bytes": args.load_step_bytes,
+            "disk_direct_io": args.direct_io,
         },
         kv_cache_bytes=2 << 30,
         max_model_len=room,
         max_num_batched_tokens=room,
     )
     side = scheduler_connector(llm).scheduler_side
+    disk_tier = worker_connector().worker_side.store.tiers[1]
+    if disk_tier.direct_io != args.direct_io:
+        raise SystemExit(f"the disk tier reads with direct_io={disk_tier.direct_io}")
     C = side.planner.chunk_tokens
     if args.prefix_tokens % C:
         raise SystemExit(f"--prefix-tokens must be a multiple of the chunk size, {C}")
@@ -232,6 +240,7 @@ def main() -> None:
         "prefix_tokens": args.prefix_tokens,
         "rounds": args.rounds,
         "load_step_bytes": args.load_step_bytes,
+        "direct_io": args.direct_io,
         "disk_bytes_per_round": disk_bytes,
         "loaded_bytes_per_round": loaded // max(args.rounds, 1),
         "restored_tokens_per_round": restored_tokens // max(args.rounds, 1),

@@ -134,17 +134,27 @@ def test_disk_settings(tmp_path):
             "disk_path": str(tmp_path / "new"),
             "disk_bytes": "2GiB",
             "disk_fsync": True,
+            "disk_direct_io": True,
             "disk_queue_bytes": "64MiB",
         }
     )
     assert (cfg.disk_path, cfg.disk_bytes) == (str(tmp_path / "new"), 2 * 1024**3)
     assert (cfg.disk_fsync, cfg.disk_queue_bytes) == (True, 64 * 1024**2)
+    assert cfg.disk.direct_io and not HybridKVConfig.from_dict({"disk_path": "/x"}).disk_direct_io
     assert HybridKVConfig.from_dict({"disk_path": str(tmp_path)}).disk_bytes == 16 * 1024**3
     assert HybridKVConfig().disk_path is None
 
 
 @pytest.mark.parametrize(
-    "key", ["disk_bytes", "disk_fsync", "disk_queue_bytes", "disk_mode", "integrity_key"]
+    "key",
+    [
+        "disk_bytes",
+        "disk_fsync",
+        "disk_direct_io",
+        "disk_queue_bytes",
+        "disk_mode",
+        "integrity_key",
+    ],
 )
 def test_disk_setting_without_disk_path(key):
     with pytest.raises(ConfigError, match=rf"^{key}: has no effect without disk_path"):
@@ -160,6 +170,7 @@ def test_disk_setting_without_disk_path(key):
         ({"disk_bytes": "big"}, "disk_bytes"),
         ({"disk_queue_bytes": 0}, "disk_queue_bytes"),
         ({"disk_fsync": "yes"}, "disk_fsync"),
+        ({"disk_direct_io": "yes"}, "disk_direct_io"),
     ],
 )
 def test_bad_disk_settings(tmp_path, extra, key):
@@ -393,6 +404,7 @@ FLAT_VALUES = {
     "cpu_bytes": st.sampled_from([0, "1KiB", "3GB", 12345]),
     "disk_bytes": st.sampled_from(["1GiB", 99, "2TB"]),
     "disk_fsync": st.booleans(),
+    "disk_direct_io": st.booleans(),
     "disk_queue_bytes": st.sampled_from(["1MiB", 4096]),
     "disk_mode": st.sampled_from(["0600", "0660", 0o640]),
     "redis_cluster": st.booleans(),
@@ -685,6 +697,7 @@ def test_env_value_types(tmp_path):
     env = {
         "HYBRIDKV_DISK_PATH": str(tmp_path),
         "HYBRIDKV_DISK_FSYNC": "true",
+        "HYBRIDKV_DISK_DIRECT_IO": "on",
         "HYBRIDKV_DISK_MODE": "0660",
         "HYBRIDKV_CHUNK_TOKENS": "128",
         "HYBRIDKV_REDIS_URL": "redis://h/0",
@@ -697,6 +710,7 @@ def test_env_value_types(tmp_path):
     }
     cfg = HybridKVConfig.from_dict({"redis_ttl_s": 9, "redis_url": "redis://x/1"}, env=env)
     assert (cfg.disk_path, cfg.disk_fsync, cfg.disk_mode) == (str(tmp_path), True, 0o660)
+    assert cfg.disk_direct_io
     assert (cfg.chunk_tokens, cfg.redis_url, cfg.redis_cluster) == (128, "redis://h/0", False)
     assert (cfg.redis_ttl_s, cfg.redis_timeout_ms) == (None, 75)
     assert (cfg.integrity_key, cfg.model_id) == ("1234567890123456789", "123")

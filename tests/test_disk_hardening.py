@@ -54,6 +54,7 @@ from hybridkv.core.tiers.entry_file import (
     derive_mac_key,
     new_entry,
     read_entry,
+    supports_direct_reads,
 )
 from hybridkv.core.tiers.files import create_exclusive, dir_mode
 
@@ -514,6 +515,19 @@ def test_store_from_config_uses_disk_mode(tmp_path):
     store.put(key(1), payload(1, 1024))
     store.close()
     assert modes(tmp_path / "shared") == ({0o660}, {0o770})
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_store_from_config_uses_disk_direct_io(tmp_path, direct_io):
+    layout = Layout("m", (GroupSpec(GroupKind.FULL, 16, 1024, ("l0",)),))
+    raw = {"disk_path": str(tmp_path), "disk_direct_io": direct_io}
+    store = TieredStore.from_config(HybridKVConfig.from_dict(raw), layout, pin=False)
+    tier = store.tiers[1]
+    try:
+        # On where asked for and the filesystem serves O_DIRECT reads.
+        assert tier.direct_io == (direct_io and supports_direct_reads(tier.dir / "layout.json"))
+    finally:
+        store.close()
 
 
 def test_create_exclusive_never_follows_or_reuses_a_name(tmp_path):

@@ -397,6 +397,9 @@ class DiskTierConfig(_Model):
     # fsync each file before its rename: durability across power loss, not correctness
     # (a torn file fails its checksum and is a miss).
     fsync: Bool = False
+    # Read files past the page cache (O_DIRECT): less host CPU per cold read and no second
+    # copy of entries in the page cache; a warm page cache no longer serves reads.
+    direct_io: Bool = False
     # Bytes waiting to be written before further stores are dropped (and counted).
     queue_bytes: PositiveSize = 256 * MiB
     # Permissions of the tier's files (directories get the matching search bits):
@@ -672,6 +675,7 @@ class HybridKVConfig(_Model):
     disk_path = _FlatSetting[str | None]()
     disk_bytes = _FlatSetting[int]()
     disk_fsync = _FlatSetting[bool]()
+    disk_direct_io = _FlatSetting[bool]()
     disk_queue_bytes = _FlatSetting[int]()
     disk_mode = _FlatSetting[int]()
     # Redis: `redis_url` is None without a redis tier.
@@ -687,7 +691,7 @@ class HybridKVConfig(_Model):
 # Keys settable from the environment: scalar top-level and shorthand keys.
 _ENV_PREFIX = "HYBRIDKV_"
 _ENV_NOT_SETTINGS = {"HYBRIDKV_HOME"}  # read elsewhere (models.py)
-_ENV_BOOL = {"disk_fsync", "redis_cluster"}
+_ENV_BOOL = {"disk_fsync", "disk_direct_io", "redis_cluster"}
 _ENV_INT = {"chunk_tokens", "redis_ttl_s", "redis_timeout_ms", "metrics_port"}
 _ENV_FLOAT = {"eviction_alpha"}
 _ENV_NULLABLE = {"chunk_tokens", "redis_ttl_s", "metrics_port"}

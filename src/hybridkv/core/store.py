@@ -95,6 +95,7 @@ class TieredStore:
                         integrity_key=config.integrity_key,
                         queue_bytes=t.queue_bytes,
                         fsync=t.fsync,
+                        direct_io=t.direct_io,
                         alloc=pool.empty,
                     )
                 )

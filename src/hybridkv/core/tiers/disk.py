@@ -37,7 +37,13 @@ import torch
 from hybridkv.core.background import lower_priority
 from hybridkv.core.keys import KEY_BYTES
 from hybridkv.core.tiers.base import TierStats
-from hybridkv.core.tiers.entry_file import FILE_VERSION, EntryFileError, read_entry, write_entry
+from hybridkv.core.tiers.entry_file import (
+    FILE_VERSION,
+    EntryFileError,
+    read_entry,
+    supports_direct_reads,
+    write_entry,
+)
 from hybridkv.core.tiers.files import (
     DIR_FLAGS,
     create_exclusive,
@@ -191,6 +197,7 @@ class DiskTier(QueuedTier):
         writers: int = 2,
         readers: int = 4,
         fsync: bool = False,
+        direct_io: bool = False,
         rescan_seconds: float = 60.0,
         alloc: Callable[[int], torch.Tensor] | None = None,
     ):
@@ -198,7 +205,8 @@ class DiskTier(QueuedTier):
         claiming another size is rejected before anything is allocated (None: checked
         against the file's size only). `file_mode`: permissions of the files written
         (directories get the matching search bits). `integrity_key`: read and write only
-        entries MACed under this secret (docs/format.md)."""
+        entries MACed under this secret (docs/format.md). `direct_io`: read files past
+        the page cache (O_DIRECT), where the filesystem allows it."""
         super().__init__(
             fingerprint, entry_bytes, integrity_key, queue_bytes, alloc, capacity_bytes
         )
@@ -230,6 +238,12 @@ class DiskTier(QueuedTier):
         self._scanning = False
         self.usable = self._prepare()
         self.writable = self.usable and self._probe_writable()
+        # Whether reads bypass the page cache: asked for, and the filesystem serves them.
+        self.direct_io = direct_io and self.usable and supports_direct_reads(self.dir / LAYOUT_JSON)
+        if direct_io and not self.direct_io and self.usable:
+            self._warn_once(
+                "direct", "hybridkv: %s refuses O_DIRECT: reads go through the page cache", self.dir
+            )
         if self.usable:
             self.rescan()
         self._threads = [
@@ -407,7 +421,9 @@ class DiskTier(QueuedTier):
             return None
         path = self.path_of(key)
         try:
-            entry = read_entry(path, self.fingerprint, key, **self._read_checks(key))
+            entry = read_entry(
+                path, self.fingerprint, key, direct=self.direct_io, **self._read_checks(key)
+            )
         except FileNotFoundError:
             self._forget(key)
             self._misses(1)
