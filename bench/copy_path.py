@@ -11,7 +11,8 @@ one thread with cached against streamed (non-temporal) stores.
 Disk tier: `DiskTier.get` (read + verify) of every entry file against a plain sequential
 read of the same files (`readinto` a preallocated buffer), each with the files dropped
 from the page cache first (`posix_fadvise(DONTNEED)`, which needs no privileges; the
-device may still cache) and with them cached.
+device may still cache) and with them cached; `get_many` also with `direct_io` (O_DIRECT,
+past the page cache).
 
     .venv/bin/python bench/copy_path.py
 """
@@ -89,6 +90,8 @@ def disk_tier(args: argparse.Namespace, root: Path) -> dict:
     tier = DiskTier(
         root, fp, {"bench": "copy_path"}, 1 << 40, queue_bytes=1 << 40, alloc=pool.empty
     )
+    # The same files read past the page cache (`disk_direct_io`).
+    direct = DiskTier(root, fp, {"bench": "copy_path"}, 1 << 40, direct_io=True, alloc=pool.empty)
     keys = [group_key(i.to_bytes(16, "big"), 0) for i in range(args.files)]
     entry = torch.randint(-128, 127, (args.file_bytes,), dtype=torch.int8)
     for k in keys:
@@ -108,7 +111,7 @@ def disk_tier(args: argparse.Namespace, root: Path) -> dict:
         for k in keys:
             assert tier.get(k) is not None
 
-    def batched() -> None:  # as a hit reads its entries: `get_many`, in parallel
+    def batched(tier: DiskTier = tier) -> None:  # as a hit reads: `get_many`, in parallel
         assert all(e is not None for e in tier.get_many(keys))
 
     out = {"files": args.files, "file_bytes": args.file_bytes}
@@ -118,11 +121,18 @@ def disk_tier(args: argparse.Namespace, root: Path) -> dict:
         def cold(fn: Callable[[], None], drop: bool = drop) -> Callable[[], None]:
             return (lambda: (drop_page_cache(paths), fn())) if drop else fn
 
-        fns = {"plain": cold(plain), "get": cold(one_by_one), "get_many": cold(batched)}
+        fns = {
+            "plain": cold(plain),
+            "get": cold(one_by_one),
+            "get_many": cold(batched),
+            "get_many_direct": cold(lambda: batched(direct)),
+        }
         t = interleaved(fns, args.repeats)
         out[label] = {f"{name}_gib_s": gib / secs for name, secs in t.items()}
-        out[label] |= {f"{name}_ratio": t["plain"] / t[name] for name in ("get", "get_many")}
+        out[label] |= {f"{name}_ratio": t["plain"] / t[name] for name in fns if name != "plain"}
+    out["direct_io"] = direct.direct_io  # False where the filesystem refused O_DIRECT
     tier.close()
+    direct.close()
     return out
 
 
@@ -167,7 +177,9 @@ def main() -> None:
         print(
             f"  {label:9} plain sequential read {d['plain_gib_s']:5.2f} GiB/s | get "
             f"{d['get_gib_s']:5.2f} GiB/s {d['get_ratio']:.2f}x | get_many "
-            f"{d['get_many_gib_s']:5.2f} GiB/s {d['get_many_ratio']:.2f}x"
+            f"{d['get_many_gib_s']:5.2f} GiB/s {d['get_many_ratio']:.2f}x | get_many with "
+            f"direct_io={disk['direct_io']} {d['get_many_direct_gib_s']:5.2f} GiB/s "
+            f"{d['get_many_direct_ratio']:.2f}x"
         )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
