@@ -397,8 +397,8 @@ class DiskTierConfig(_Model):
     # fsync each file before its rename: durability across power loss, not correctness
     # (a torn file fails its checksum and is a miss).
     fsync: Bool = False
-    # Read files past the page cache (O_DIRECT): less host CPU per cold read and no second
-    # copy of entries in the page cache; a warm page cache no longer serves reads.
+    # Read files past the page cache (O_DIRECT): no page-cache work or second copy of
+    # entries; faster restores on a busy CPU host, slower reads on an idle one.
     direct_io: Bool = False
     # Bytes waiting to be written before further stores are dropped (and counted).
     queue_bytes: PositiveSize = 256 * MiB

@@ -225,8 +225,10 @@ class _ReadsByInto(ABC):
 class _DirectFile(_ReadsByInto):
     """An entry file opened with O_DIRECT, read like a file.
 
-    Past the page cache, a cold read costs the host less CPU (no page-cache pages to
-    fill, no readahead) and leaves no second copy of entries the CPU tier holds. The
+    Past the page cache, a read spends no host CPU on page-cache pages or readahead and
+    leaves no second copy of entries the CPU tier holds: restores finished sooner while
+    the engine's forward used the cores, and slower on an idle host, whose readahead
+    keeps the device busier (docs/benchmarks.md, so it is an option, off by default). The
     device moves whole aligned blocks into this thread's page-aligned buffer, and the
     bytes are copied out from there without the GIL (ctypes): the payload starts 64
     bytes into the file, so it cannot land in its destination directly. Should the
@@ -243,8 +245,8 @@ class _DirectFile(_ReadsByInto):
         self._addr: int = _direct_buffers.addr
         self._start = self._end = self._pos = 0  # the buffer holds file bytes [start, end)
 
-    def fill(self, start: int, fallback: bool = True) -> int:
-        """Read the buffer's worth of the file from `start` (aligned); bytes read."""
+    def fill(self, start: int, fallback: bool = True) -> None:
+        """Read the buffer's worth of the file from `start` (aligned)."""
         try:
             got = os.preadv(self._fd, [self._buf], start)
         except OSError as e:
@@ -252,9 +254,10 @@ class _DirectFile(_ReadsByInto):
                 raise
             got = os.preadv(self._fd, [self._buf], start)
         self._start, self._end = start, start + got
-        return got
 
     def readinto(self, view: memoryview, /) -> int:
+        if not len(view):
+            return 0
         if not self._start <= self._pos < self._end:
             self.fill(self._pos - self._pos % _DIRECT_ALIGN)
             if self._pos >= self._end:
