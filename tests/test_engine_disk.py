@@ -58,8 +58,12 @@ def hit_tokens(chunk_tokens: int, prompt_len: int = PROMPT) -> int:
 # ---- restart ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["qwen3-next", "gemma3"])
-def test_restarted_engine_hits_what_the_previous_process_stored(arch, model_dirs, tmp_path):
+@pytest.mark.parametrize(("arch", "direct_io"), [("qwen3-next", True), ("gemma3", False)])
+def test_restarted_engine_hits_what_the_previous_process_stored(
+    arch, direct_io, model_dirs, tmp_path
+):
+    """The restarted engine reads past the page cache (`disk_direct_io`) for one model and
+    through it for the other: either way the same greedy tokens and logprobs."""
     prompt = tokens(PROMPT, seed=11)
     spec = {"model": model_dirs[arch], "extra": disk_config(tmp_path)}
     # Process A exits with the engine still up: its exit hook must finish the writes.
@@ -72,7 +76,8 @@ def test_restarted_engine_hits_what_the_previous_process_stored(arch, model_dirs
     assert entry_files(tmp_path) and not entry_files(tmp_path, "*.tmp")
 
     # B is a fresh interpreter: another hash seed than A's (forked by the zygote).
-    b = run_engine_proc({**spec, "steps": [gen("restored", prompt)]}, fresh=True)
+    extra = disk_config(tmp_path, disk_direct_io=direct_io)
+    b = run_engine_proc({**spec, "extra": extra, "steps": [gen("restored", prompt)]}, fresh=True)
     restored = b["runs"]["restored"]
     assert restored["num_cached_tokens"] == hit_tokens(b["chunk_tokens"])
     assert b["stats"]["disk"]["hits"] > 0 and b["stats"]["disk"]["corrupt"] == 0
