@@ -274,6 +274,22 @@ def test_a_load_with_a_bad_plan_fails_alone(worker):
     assert torch.equal(cache[4:6], cache[0:2]) and ws.restoring == 0
 
 
+def hold_second_slice(monkeypatch, tier, gate: threading.Event) -> list[int]:
+    """Let `tier`'s real reads run, but hold the second slice a promotion reads until
+    `gate` is set; the sizes of the slices read, as they start."""
+    slices: list[int] = []
+    get_many = tier.get_many
+
+    def paced(ks):
+        slices.append(len(ks))
+        if len(slices) == 2:
+            assert gate.wait(10)
+        return get_many(ks)
+
+    monkeypatch.setattr(tier, "get_many", paced)
+    return slices
+
+
 def test_a_promotion_is_reported_a_slice_at_a_time(worker, monkeypatch):
     """The first slice's entries reach the index (and can be loaded) while the next
     slice is still being read."""
@@ -283,16 +299,7 @@ def test_a_promotion_is_reported_a_slice_at_a_time(worker, monkeypatch):
     for k in keys:
         below.put(k, torch.full((PAGE,), len(k), dtype=torch.int8))
     first_seen = threading.Event()
-    slices: list[int] = []
-    get_many = below.get_many
-
-    def paced(ks):
-        slices.append(len(ks))
-        if len(slices) == 2:
-            assert first_seen.wait(10)
-        return get_many(ks)
-
-    monkeypatch.setattr(below, "get_many", paced)
+    slices = hold_second_slice(monkeypatch, below, first_seen)
     ws.begin_step(HybridKVMetadata(orders=Orders(promote=[(k, "below") for k in keys])))
 
     def promoted(n: int) -> list[tuple[bytes, bool]]:
@@ -320,16 +327,7 @@ def test_a_promotion_stops_reading_after_a_clear(worker, monkeypatch):
     for k in keys:
         below.put(k, torch.full((PAGE,), 3, dtype=torch.int8))
     cleared = threading.Event()
-    slices: list[int] = []
-    get_many = below.get_many
-
-    def paced(ks):
-        slices.append(len(ks))
-        if len(slices) == 2:
-            assert cleared.wait(10)
-        return get_many(ks)
-
-    monkeypatch.setattr(below, "get_many", paced)
+    slices = hold_second_slice(monkeypatch, below, cleared)
     ws.begin_step(HybridKVMetadata(orders=Orders(promote=[(k, "below") for k in keys])))
     deadline = time.monotonic() + 10
     while len(slices) < 2 and time.monotonic() < deadline:
