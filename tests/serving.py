@@ -38,6 +38,19 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(1, 2000) for _ in range(n)]
 
 
+def drawn_lengths(count: int, seed: int, lo: int = 300, hi: int = 4000) -> list[int]:
+    """`count` prompt lengths drawn uniformly from [lo, hi]: a test restores whatever
+    length it is given, not lengths chosen because they restore."""
+    rng = random.Random(seed)
+    return [rng.randint(lo, hi) for _ in range(count)]
+
+
+def last_boundary(prompt_len: int, chunk_tokens: int) -> int:
+    """The longest hit a stored prompt can get: its last chunk boundary strictly before
+    its last token (vLLM computes that token itself)."""
+    return (prompt_len - 1) // chunk_tokens * chunk_tokens
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -103,6 +116,7 @@ class Completion:
 
 _RECORD = re.compile(r"^\((?P<proc>[^)]*)\) (?P<level>[A-Z]+) \S+ \S+ \[(?P<site>[^\]]+)\]")
 _STATS = re.compile(r"hybridkv stats (\{.*\})\s*$")
+_CHUNK = re.compile(r"hybridkv: scheduler side, chunk (\d+) tokens")
 _SHUTDOWN = "[shutdown] API server: shutdown triggered"
 
 
@@ -225,6 +239,13 @@ class Server:
 
     def log_lines(self, start: int = 0) -> list[str]:
         return self.log_path.read_text(errors="replace").splitlines()[start:]
+
+    def chunk_tokens(self) -> int:
+        """hybridkv's chunk, from its start-up line in the log."""
+        for ln in self.log_lines():
+            if m := _CHUNK.search(ln):
+                return int(m[1])
+        raise AssertionError(f"no hybridkv start-up line in {self.log_path}")
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_lines()[-n:])

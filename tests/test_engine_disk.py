@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import EngineProc, run_engine_proc, tokens
+from serving import last_boundary
 
 from hybridkv.core.keys import chain_seed, chunk_keys, group_key
 from hybridkv.core.layout import GroupKind
@@ -51,8 +52,8 @@ def same_output(a: dict, b: dict) -> bool:
 
 
 def hit_tokens(chunk_tokens: int, prompt_len: int = PROMPT) -> int:
-    """The longest hit: chunk boundaries strictly before the last prompt token."""
-    return (prompt_len - 1) // chunk_tokens * chunk_tokens
+    """The longest hit of a `prompt_len`-token prompt (this module's by default)."""
+    return last_boundary(prompt_len, chunk_tokens)
 
 
 # ---- restart ------------------------------------------------------------------------------

@@ -17,12 +17,13 @@ each rank gets one core (`VLLM_CPU_OMP_THREADS_BIND="0|1"`).
 from __future__ import annotations
 
 import pytest
-from conftest import run_engine_proc, tokens
+from conftest import SEED, run_engine_proc, tokens
+from serving import drawn_lengths
 from test_engine_disk import disk_config, entry_files, gen, hit_tokens, same_output
 
 pytestmark = pytest.mark.engine
 
-PROMPT = 1100
+(PROMPT,) = drawn_lengths(1, seed=SEED * 100 + 6)  # the seed is in the run's header
 TP2 = {
     "engine": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
     "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},

@@ -1,20 +1,39 @@
 """Layout identity: every engine setting that changes a stored page's bytes is in the
 fingerprint, read from a real `VllmConfig` (a tiny local model, no engine started);
-layouts without identity keep the fingerprint they had before identity existed."""
+layouts without identity keep the fingerprint they had before identity existed. Recurrent
+states add their conv-state layout and tensors, and entries stored under one conv-state
+layout are misses under the other."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import vllm
 from vllm.config import CacheConfig, LoadConfig, ModelConfig, VllmConfig
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+    get_conv_state_layout,
+)
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
 
+from hybridkv.core.config import HybridKVConfig
+from hybridkv.core.keys import chain_seed, chunk_keys, group_key, split_group_key
 from hybridkv.core.layout import GroupKind, GroupSpec, Layout
+from hybridkv.core.planner import Planner
+from hybridkv.core.store import TieredStore
 from hybridkv.vllm.checkpoint import checkpoint_fingerprint
 from hybridkv.vllm.layout import UnsupportedLayout, layout_from_vllm
 
@@ -146,6 +165,142 @@ def test_unresolved_kv_cache_layout_is_refused(model_dir):
     vllm_config = _vllm_config(model_dir)
     vllm_config.cache_config.kv_cache_layout = "LBNHC"
     assert _identity(vllm_config, _kv_cache_config(None))["kv_cache_layout"] == "LBNHC"
+
+
+def test_vllm_version_is_in_every_layouts_identity(model_dir, monkeypatch):
+    """A vLLM upgrade may change what no setting names (a kernel's page layout): its
+    entries get a new directory. Attention-only layouts get nothing recurrent."""
+    vllm_config = _vllm_config(model_dir)
+    identity = _identity(vllm_config)
+    assert identity["vllm_version"] == vllm.__version__
+    assert "conv_state_layout" not in identity and "state_tensors" not in identity
+    before = layout_from_vllm(vllm_config, _kv_cache_config(), "m").fingerprint
+    monkeypatch.setattr(vllm, "__version__", vllm.__version__ + ".post1")
+    assert layout_from_vllm(vllm_config, _kv_cache_config(), "m").fingerprint != before
+
+
+# ---- recurrent states ----------------------------------------------------------------------
+STATE_LAYER = "model.layers.0.linear_attn"
+
+
+@pytest.fixture
+def conv_state_layout(monkeypatch) -> Iterator[Callable[[str], None]]:
+    """Choose vLLM's SSM conv-state layout as a user does, by its environment variable.
+    vLLM caches its answer per process (and an engine started in this process froze the
+    environment), so both caches are emptied, and vLLM's again at the end."""
+    from vllm import envs
+
+    envs.disable_envs_cache()
+
+    def choose(layout: str) -> None:
+        monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", layout)
+        get_conv_state_layout.cache_clear()
+
+    yield choose
+    get_conv_state_layout.cache_clear()
+
+
+def _gdn_spec(vllm_config, shapes=None, dtypes=None) -> MambaSpec:
+    """A Qwen3-Next GDN layer's state spec as vLLM's calculators make it for this config
+    and the conv-state layout in effect (`shapes` / `dtypes` replace theirs)."""
+    cache = vllm_config.cache_config
+    return MambaSpec(
+        block_size=16,
+        shapes=shapes
+        or MambaStateShapeCalculator.gated_delta_net_state_shape(
+            1, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, conv_kernel_size=4
+        ),
+        dtypes=dtypes
+        or MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+            vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype
+        ),
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode="align",
+    )
+
+
+def _hybrid_kv_cache_config(state: MambaSpec) -> KVCacheConfig:
+    attn = FullAttentionSpec(16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    return KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["model.layers.3.self_attn.attn"], attn),
+            KVCacheGroupSpec([STATE_LAYER], state),
+        ],
+        kv_cache_layout="NHD",
+    )
+
+
+def test_recurrent_identity_read_from_a_real_kv_cache_config(model_dir, conv_state_layout):
+    conv_state_layout("DS")
+    vllm_config = _vllm_config(model_dir, cache={"mamba_ssm_cache_dtype": "float32"})
+    identity = _identity(vllm_config, _hybrid_kv_cache_config(_gdn_spec(vllm_config)))
+    assert identity["conv_state_layout"] == "DS"
+    # Per state group (group 1): its tensors, the conv state (dim, state_len) under DS.
+    assert json.loads(identity["state_tensors"]) == {
+        "1": [["torch.bfloat16[128, 3]", "torch.float32[4, 16, 16]"]]
+    }
+    assert identity["vllm_version"] == vllm.__version__
+
+
+def test_every_recurrent_identity_setting_changes_the_fingerprint(model_dir, conv_state_layout):
+    """Each changes how a state's bytes split into tensors, none its byte count."""
+    vllm_config = _vllm_config(model_dir)
+    spec = _gdn_spec(vllm_config, ((3, 128), (4, 16, 16)), (torch.bfloat16, torch.float32))
+
+    def layout(state: MambaSpec) -> Layout:
+        return layout_from_vllm(vllm_config, _hybrid_kv_cache_config(state), "m")
+
+    conv_state_layout("SD")
+    base = layout(spec)
+    variants = {
+        "state shape": layout(_gdn_spec(vllm_config, ((128, 3), (4, 16, 16)), spec.dtypes)),
+        "state dtype": layout(_gdn_spec(vllm_config, spec.shapes, (torch.float16, torch.float32))),
+    }
+    conv_state_layout("DS")
+    variants["conv state layout"] = layout(spec)  # the same spec: only the layout differs
+    for name, changed in variants.items():
+        assert changed.groups[1].block_bytes == base.groups[1].block_bytes, name
+        assert changed.fingerprint != base.fingerprint, name
+    conv_state_layout("SD")
+    assert layout(spec).fingerprint == base.fingerprint
+
+
+def test_entries_stored_under_one_conv_state_layout_miss_under_the_other(
+    model_dir, tmp_path, conv_state_layout
+):
+    """An engine restarted with the other conv-state layout (a transpose: the same bytes
+    per block) must not read the states, nor anything keyed with them, from disk."""
+    layouts = {}
+    for conv in ("SD", "DS"):
+        conv_state_layout(conv)
+        vllm_config = _vllm_config(model_dir)
+        layouts[conv] = layout_from_vllm(
+            vllm_config, _hybrid_kv_cache_config(_gdn_spec(vllm_config)), "m"
+        )
+    assert layouts["SD"].groups == layouts["DS"].groups  # the bytes cannot tell them apart
+    config = HybridKVConfig.from_dict({"cpu_bytes": "16MiB", "disk_path": str(tmp_path)})
+    prompt = list(range(1, 33))
+
+    def keys(layout: Layout) -> list[bytes]:
+        chunks = chunk_keys(chain_seed(layout.fingerprint, None), prompt, 16)
+        return [group_key(k, g) for k in chunks for g in range(len(layout.groups))]
+
+    writer = TieredStore.from_config(config, layouts["SD"], pin=False)
+    planner = Planner(layouts["SD"].groups, config.chunk_tokens)
+    stored = keys(layouts["SD"])
+    for k in stored:
+        entry_bytes = planner.entry_bytes(split_group_key(k)[1])
+        writer.put(k, torch.ones(entry_bytes, dtype=torch.int8))
+    writer.close()  # drains the disk writes
+
+    for conv, want in (("DS", 0), ("SD", len(stored))):  # fresh stores: CPU memory empty
+        reader = TieredStore.from_config(config, layouts[conv], pin=False)
+        try:
+            assert len(reader.get_many(keys(layouts[conv]))) == want, conv
+        finally:
+            reader.close()
 
 
 # ---- checkpoint fingerprints ---------------------------------------------------------------

@@ -14,12 +14,20 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from conftest import tokens
+from conftest import SEED, tokens
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
-from serving import Server, cancel_after, complete, gather_all, start_server, stream_then_close
+from serving import (
+    Server,
+    cancel_after,
+    complete,
+    drawn_lengths,
+    gather_all,
+    start_server,
+    stream_then_close,
+)
 
 from hybridkv.core import metrics
 from hybridkv.vllm.metrics import METRICS, HybridKVPromMetrics, HybridKVStats
@@ -198,10 +206,18 @@ def test_gauges_sum_over_ranks_that_report_only_changes(tmp_path: Path) -> None:
 
 
 # ---- a real server -----------------------------------------------------------------------------
-PROMPT = 1100  # a Qwen3-Next length the CPU build's API server hands states for (test_server)
-# The preemption workload: documents of which hybridkv restores 512 tokens, each asked
-# several questions at once, on a KV cache that holds a few such requests.
-DOC, QUESTION, PREEMPT_KV_BYTES = 600, 30, 5 << 20
+# A prompt length drawn, not chosen (the seed is in the run's header).
+(PROMPT,) = drawn_lengths(1, seed=SEED * 100 + 7)
+# The preemption workload, sized so that the requests cannot all run (by construction,
+# not by how steps happen to interleave): documents of which hybridkv restores 512 tokens,
+# each asked several questions at once; a prompt (756 tokens) ends 12 tokens before a
+# block boundary (768), so every request needs another block on its 12th generated token,
+# and its recurrent groups another while vLLM moves their running states on. vLLM's pool
+# here is 39 blocks (5 MiB of 128 KiB pages); each request holds 7 once past the boundary
+# (4 attention, one per GDN group). So the 12 requests that run to the end need 84, more
+# than twice the pool: vLLM admits as many as fit (about five, as they arrive within
+# milliseconds and each runs for 32 steps), and those cannot all cross the boundary.
+DOC, QUESTION, PREEMPT_KV_BYTES, PREEMPT_TOKENS = 600, 156, 5 << 20, 32
 
 
 def disk_entries(disk: Path) -> tuple[dict, dict[int, list[int]]]:
@@ -223,7 +239,10 @@ async def _with_hangups(srv: Server, prompts: list[list[int]], leaving: list[lis
     """`prompts` to the end, all at once, and `leaving` abandoned meanwhile: half hang up
     mid-stream, half are cancelled mid-load or mid-prefill."""
     async with srv.client() as client:
-        jobs = [complete(client, srv.model, p, max_tokens=16, ignore_eos=True) for p in prompts]
+        jobs = [
+            complete(client, srv.model, p, max_tokens=PREEMPT_TOKENS, ignore_eos=True)
+            for p in prompts
+        ]
         for i, p in enumerate(leaving):
             if i % 2:
                 jobs.append(stream_then_close(client, srv.model, p, after=2))

@@ -28,20 +28,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import SEED
 from serving import (
     Completion,
     MiB,
     Server,
     cancel_after,
     complete,
+    drawn_lengths,
     first_difference,
     gather_all,
     hybridkv_stats,
+    last_boundary,
     log_problems,
     start_server,
     stream_then_close,
     tokens,
 )
+
+from hybridkv.engine import generate
 
 pytestmark = pytest.mark.engine
 
@@ -56,12 +61,6 @@ DOC, QUESTION = 1200, 60
 # attention block) and smaller on Gemma-3, so a stored document always restores at least
 # its first 1024 tokens.
 DOC_HIT = 1024
-# Lengths of single (unshared) prompts. On the API server vLLM 0.32's CPU build hands
-# hybridkv a Qwen3-Next prompt's recurrent state only for some lengths, with or without
-# hybridkv (vLLM alone then misses its own cache too; in-process engines get them all):
-# seen for (L - 1) mod 256 < 128, e.g. 300, 520, 1100, 1300 hit, 700, 900, 1260, 2000 do
-# not. These lengths are ones that can hit.
-SINGLE_LENGTHS = (300, 560, 800, 1050, 1300, 1600)
 
 
 # hybridkv's disk tier is on, as a user who wants restarts to hit would run it; vLLM's
@@ -237,6 +236,42 @@ def test_concurrent_shared_prefixes_twice_around_reset(arch: str, server: Server
     assert_same_outputs(arch, first, second, min_compared=0.6)
 
 
+# ---- (a') any prompt length, through the server and in-process -----------------------------
+def test_every_prompt_length_restores_its_last_boundary(
+    arch: str, server: Server, engine_factory, model_dirs: dict[str, str]
+) -> None:
+    """Prompts of lengths drawn from [300, 4000] (seeded; the seed is in the run's
+    header), each run once cold and once more on vLLM's own prefix cache, one at a time;
+    vLLM's cache emptied; all of them again at once. Every one restores exactly its last
+    chunk boundary before its last token, with vLLM's own hit's output (the same hit
+    length, so the same rounding on Gemma-3 too). An in-process engine (engine core in
+    the test process) restores the same lengths: the engine core's own process changes
+    nothing (vLLM's CPU build resets the block size its prefill split reads there;
+    hybridkv puts it back, src/hybridkv/vllm/split_guard.py)."""
+    lengths = drawn_lengths(8, seed=SEED * 100 + 1)
+    prompts = [tokens(n, SEED * 100 + i) for i, n in enumerate(lengths)]
+    chunk = server.chunk_tokens()
+    want = [last_boundary(n, chunk) for n in lengths]
+    server.reset_prefix_cache()
+    native = []
+    for p in prompts:
+        cold = assert_all_ok(server, asyncio.run(run_all(server, [p])))[0]
+        assert cold.cached_tokens == 0, (lengths, cold.cached_tokens)
+        native += assert_all_ok(server, asyncio.run(run_all(server, [p])))
+    server.reset_prefix_cache()
+    restored = assert_all_ok(server, asyncio.run(run_all(server, prompts)))
+    got = [c.cached_tokens for c in restored]
+    assert [c.cached_tokens for c in native] == want, (lengths, chunk)
+    assert got == want, (lengths, chunk)
+    assert_same_outputs(arch, native, restored, min_compared=1.0)
+
+    llm = engine_factory(model_dirs[arch], {"cpu_bytes": "256MiB"}, kv_cache_bytes=64 * MiB)
+    generate(llm, prompts)
+    llm.reset_prefix_cache()
+    in_process = [g.num_cached_tokens for g in generate(llm, prompts)]
+    assert in_process == got, (lengths, chunk)
+
+
 # ---- (b) preemption while hits are restored ------------------------------------------------
 # Requests a reference run may have in flight without vLLM preempting any (Gemma-3's KV
 # cache holds about three of these prompts).
@@ -338,14 +373,16 @@ def test_cancelled_requests_leave_server_correct(arch: str, server: Server) -> N
         wait_idle(server)
 
     server.reset_prefix_cache()
-    fresh = [tokens(n, 31_000 + n) for n in SINGLE_LENGTHS]
+    lengths = drawn_lengths(6, seed=SEED * 100 + 3)
+    fresh = [tokens(n, SEED * 100 + 30 + i) for i, n in enumerate(lengths)]
     got = assert_all_ok(server, asyncio.run(run_all(server, repeats + fresh)))
     assert all(c.cached_tokens >= DOC_HIT for c in got[: len(repeats)])
     assert_same_outputs(arch, reference, got[: len(repeats)], min_compared=0.5)
 
     server.reset_prefix_cache()
     again = assert_all_ok(server, asyncio.run(run_all(server, fresh)))
-    assert all(c.cached_tokens > 0 for c in again), [c.cached_tokens for c in again]
+    want = [last_boundary(n, server.chunk_tokens()) for n in lengths]
+    assert [c.cached_tokens for c in again] == want, lengths
     assert_same_outputs(arch, got[len(repeats) :], again, min_compared=0.0)
 
     # Nothing of the abandoned requests stays behind in hybridkv: with only a one-token
@@ -368,7 +405,8 @@ def test_restart_on_same_disk_serves_hits(arch: str, pool: ServerPool) -> None:
     test_engine_tp's, and a server start is the suite's dearest step."""
     if arch != "qwen3-next":
         pytest.skip("one server restart covers the server path (suite time)")
-    prompts = [tokens(n, 40_000 + n) for n in SINGLE_LENGTHS]
+    lengths = drawn_lengths(6, seed=SEED * 100 + 4)
+    prompts = [tokens(n, SEED * 100 + 40 + i) for i, n in enumerate(lengths)]
     first = pool.get(arch)
     cold = assert_all_ok(first, asyncio.run(run_all(first, prompts)))
     first.reset_prefix_cache()
@@ -382,7 +420,8 @@ def test_restart_on_same_disk_serves_hits(arch: str, pool: ServerPool) -> None:
     restarted = assert_all_ok(second, asyncio.run(run_all(second, prompts)))
     assert_clean_log(second)
     assert all(c.cached_tokens == 0 for c in cold), [c.cached_tokens for c in cold]
-    assert all(c.cached_tokens > 0 for c in warm), [c.cached_tokens for c in warm]
+    want = [last_boundary(n, first.chunk_tokens()) for n in lengths]
+    assert [c.cached_tokens for c in warm] == want, lengths
     assert [c.cached_tokens for c in restarted] == [c.cached_tokens for c in warm]
     assert_same_outputs(arch, warm, restarted, min_compared=1.0)
     assert_same_outputs(arch, cold, restarted, min_compared=0.0)

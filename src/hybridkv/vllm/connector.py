@@ -48,6 +48,7 @@ from hybridkv.vllm.metrics import (
     stats_or_none,
 )
 from hybridkv.vllm.scheduler_side import SchedulerSide
+from hybridkv.vllm.split_guard import SplitGuard, engine_block_size
 from hybridkv.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -116,6 +117,26 @@ def check_process_layout(vllm_config: VllmConfig) -> None:
         )
 
 
+def check_load_failure_policy(vllm_config: VllmConfig) -> None:
+    """Warn when a load hybridkv reports failed would fail its request.
+
+    hybridkv reports a load failed when an entry went missing or its copy raised; vLLM's
+    default `kv_load_failure_policy` ("fail") then ends the request with an error, where
+    "recompute" computes its prefix instead. Only a warning: "fail" is a valid choice, and
+    under `MultiConnector` vLLM reads the policy from the top level, which this connector
+    (given its own entry) cannot see."""
+    policy = vllm_config.kv_transfer_config.kv_load_failure_policy
+    if policy != "recompute":
+        log.warning(
+            "hybridkv: kv_load_failure_policy is %r: a request whose load fails (an entry "
+            "lost, a copy that raised) ends with an error. Add "
+            '"kv_load_failure_policy": "recompute" to --kv-transfer-config (KVTransferConfig) '
+            "so vLLM recomputes it instead (with MultiConnector, at its top level and in "
+            "hybridkv's entry)",
+            policy,
+        )
+
+
 def _guarded(default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """Run a hook; on any exception log it, count it on the side, return `default()`."""
 
@@ -156,6 +177,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         state_groups = [g for g in self.layout.groups if g.kind is GroupKind.STATE]
         policy = None
         enabled = True
+        split_guard = None
         if state_groups:
             mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
             if mode != "align":
@@ -182,6 +204,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                     f"{state_groups[0].block_tokens} here, got {self.planner.chunk_tokens}"
                 )
             policy = CheckpointPolicy(self.config.checkpoint_policy, self.planner.chunk_tokens)
+            if enabled:
+                split_guard = SplitGuard(
+                    vllm_config.cache_config, engine_block_size(kv_cache_config)
+                )
         ranks = vllm_config.parallel_config.tensor_parallel_size
         if role == KVConnectorRole.SCHEDULER:
             below = self.config.tiers[1:]
@@ -206,7 +232,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 below=any(t.store != "never" for t in below),
                 tiers=[(t.kind, t.load_weight) for t in below],
                 probe=probe,
+                split_guard=split_guard,
             )
+            if enabled:
+                check_load_failure_policy(vllm_config)
             log.info("hybridkv: settings %s", json.dumps(effective(self.config)))
             self._reporter = metrics.Reporter("scheduler")
             if self.config.metrics_port is not None:

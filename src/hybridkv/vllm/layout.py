@@ -7,6 +7,8 @@ import dataclasses
 import json
 from typing import Any
 
+import vllm
+from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     FullAttentionSpec,
@@ -63,14 +65,47 @@ def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
+def _state_tensors(spec: MambaSpec) -> tuple[str, ...]:
+    """A recurrent layer's state tensors, e.g. ("torch.bfloat16[3, 64]", ...)."""
+    return tuple(
+        f"{dtype}{list(shape)}" for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
+    )
+
+
+def _state_identity(kv_cache_config: KVCacheConfig) -> tuple[tuple[str, str], ...]:
+    """What orders a recurrent state's bytes, for layouts with recurrent groups (none else).
+
+    vLLM keeps a conv state as (state_len, dim) ("SD") or its transpose (dim, state_len)
+    ("DS"): the same bytes per block, so `block_bytes` cannot tell them apart. The layout
+    in effect is what `get_conv_state_layout()` returns, not the environment variable
+    now: the function caches its first answer per process, and a worker's model layers
+    asked before its connector is built. Where no model is built (the scheduler side
+    under the `mp` executor) it reads the environment the workers inherit, which vLLM's
+    CPU platform sets (`VLLM_SSM_CONV_STATE_LAYOUT`) when the config is made. A state
+    tensor's shape and dtype fix how a page splits into tensors, which its byte count
+    does not either.
+    """
+    tensors = {}  # group id -> its layers' distinct tensor lists (one, in vLLM's models)
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        specs = [s for s in iter_layer_specs(group.kv_cache_spec) if isinstance(s, MambaSpec)]
+        if specs:
+            tensors[str(i)] = list(dict.fromkeys(map(_state_tensors, specs)))
+    if not tensors:
+        return ()
+    return (("conv_state_layout", get_conv_state_layout()), ("state_tensors", _json(tensors)))
+
+
 def layout_identity(
     vllm_config: Any, kv_cache_config: KVCacheConfig
 ) -> tuple[tuple[str, str], ...]:
     """The engine settings, besides the groups, that decide what a stored page's bytes mean.
 
     The physical layout orders a page's heads and tokens; the dtypes and quantization fix
-    the encoding; weights, revision and config overrides fix the values. Tensor-parallel
-    size and rank are `Layout` fields already.
+    the encoding; weights, revision and config overrides fix the values; the vLLM version
+    stands for what no setting names (a kernel's layout, a quantization scheme's scales).
+    Tensor-parallel size and rank are `Layout` fields already. An attention page's shape
+    is the group's block size, bytes and dtype and the physical layout, its head count and
+    size the model's config (in `weights`); recurrent states need more (`_state_identity`).
     """
     model = vllm_config.model_config
     cache = vllm_config.cache_config
@@ -81,6 +116,7 @@ def layout_identity(
     if callable(overrides):  # a function edits the HF config: its name is all we know
         overrides = f"{overrides.__module__}.{overrides.__qualname__}"
     return (
+        ("vllm_version", vllm.__version__),
         ("kv_cache_layout", physical),
         ("model_dtype", str(model.dtype)),
         ("kv_cache_dtype", str(cache.cache_dtype)),
@@ -95,6 +131,7 @@ def layout_identity(
                 model.model, model.revision, vllm_config.load_config.download_dir
             ),
         ),
+        *_state_identity(kv_cache_config),
     )
 
 

@@ -68,6 +68,13 @@ METRICS: dict[str, tuple[type[PromMetric], str, str]] = {
         "(they are computed); tier is none.",
         "none",
     ),
+    "short_of_state_tokens": (
+        Counter,
+        "Prompt tokens whose attention KV hybridkv held, past the hit it could serve, "
+        "that no boundary with every recurrent state reached (so they were computed); "
+        "tier is none. What a hybrid model loses for want of a state.",
+        "none",
+    ),
     "loaded_bytes": (
         Counter,
         "Bytes of entries read out of a tier: cpu, into the KV cache by restores; disk "

@@ -41,6 +41,7 @@ from hybridkv.vllm.metadata import (
     TagName,
 )
 from hybridkv.vllm.request_identity import KeyContext, key_context
+from hybridkv.vllm.split_guard import SplitGuard
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -131,11 +132,13 @@ class SchedulerSide:
         below: bool,
         tiers: Sequence[tuple[str, float]] = (),
         probe: Probe | None = None,
+        split_guard: SplitGuard | None = None,
     ):
         """`below`: the workers have a tier below CPU memory that takes stores (one
         without CPU room still goes there). `tiers`: the tiers below CPU memory a hit
         may be promoted from, fastest first, with their load weights. `probe`: asks
-        the shared tier what it holds."""
+        the shared tier what it holds. `split_guard`: keeps vLLM's prefill split on
+        the recurrent blocks (vllm/split_guard.py), checked at every lookup."""
         self.layout = layout
         self.planner = planner
         self.policy = policy
@@ -144,6 +147,7 @@ class SchedulerSide:
         self.below = below
         self.tiers = list(tiers)
         self.probe = probe
+        self.split_guard = split_guard
         self._fingerprint = layout.fingerprint
         self._reqs: dict[str, _RequestState] = {}
         self._loads: list[RequestLoad] = []
@@ -187,6 +191,8 @@ class SchedulerSide:
         ready (no CPU room, a failed or overdue promotion) is left out and the rule runs
         again, so the loop ends.
         """
+        if self.split_guard is not None:
+            self.split_guard.check()  # before vLLM splits this request's prefill
         if not self.enabled:
             return 0
         st = self._state(request)
@@ -722,6 +728,7 @@ class SchedulerSide:
             "tagged_entries": self.pending_tags(),
             "promoted_from": dict(self.index.promoted_from),
             "probe_round_trips": self.probe.round_trips if self.probe else 0,
+            "block_size_restores": self.split_guard.restores if self.split_guard else 0,
         }
 
     def metrics(self) -> tuple[Figures, Figures]:
@@ -731,6 +738,7 @@ class SchedulerSide:
             "lookups": dict(s.lookups_by_tier),
             "hit_tokens": dict(s.hit_tokens_by_tier),
             "miss_tokens": {"none": s.miss_tokens},
+            "short_of_state_tokens": {"none": s.short_of_state},
         }
         return counters, {"held_entries": {"cpu": self.index.pinned()}}
 
