@@ -927,3 +927,59 @@ def test_mode_round_trip(mode):
     else:
         with pytest.raises(ConfigError, match=r"^disk_mode: "):
             parse_mode(mode)
+
+
+# metrics_host, and the warning for shared tiers without integrity_key ------------------
+
+
+def test_metrics_host():
+    assert HybridKVConfig().metrics_host == "127.0.0.1"  # this machine alone by default
+    assert HybridKVConfig.from_dict({"metrics_host": "0.0.0.0"}).metrics_host == "0.0.0.0"
+    env = {"HYBRIDKV_METRICS_HOST": "10.0.0.5"}
+    assert HybridKVConfig.from_dict({"metrics_host": "0.0.0.0"}, env=env).metrics_host == "10.0.0.5"
+    for bad in ("", None, 8080):
+        _err({"metrics_host": bad}, "metrics_host")
+
+
+def _warnings(caplog, raw):
+    from hybridkv.core.shared_tiers import warn_unprotected_tiers
+
+    caplog.clear()
+    warn_unprotected_tiers(HybridKVConfig.from_dict(raw, env={}))
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_shared_disk_without_integrity_key_warns(tmp_path, caplog):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o770)  # mkdir's mode is masked by the umask
+    (msg,) = _warnings(caplog, {"disk_path": str(shared)})
+    assert str(shared) in msg and "integrity_key" in msg and "0o770" in msg
+    shared.chmod(0o707)
+    assert len(_warnings(caplog, {"disk_path": str(shared)})) == 1
+    # Files others may write, in a private directory (or one not made yet).
+    shared.chmod(0o700)
+    assert len(_warnings(caplog, {"disk_path": str(shared), "disk_mode": "0660"})) == 1
+    assert len(_warnings(caplog, {"disk_path": str(tmp_path / "new"), "disk_mode": "0660"})) == 1
+    # A private directory, or the key: nothing to say.
+    assert _warnings(caplog, {"disk_path": str(shared)}) == []
+    assert _warnings(caplog, {"disk_path": str(tmp_path / "new")}) == []
+    shared.chmod(0o777)
+    assert _warnings(caplog, {"disk_path": str(shared), "integrity_key": SECRET}) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_disk_directory_of_another_user_warns(tmp_path, caplog):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    (msg,) = _warnings(caplog, {"disk_path": str(theirs)})
+    assert "another user" in msg
+
+
+def test_redis_without_integrity_key_warns(caplog):
+    url = "redis://:hunter2@cache:6379/0"
+    (msg,) = _warnings(caplog, {"redis_url": url})
+    assert "redis://:***@cache:6379/0" in msg and "hunter2" not in msg
+    assert _warnings(caplog, {"redis_url": url, "integrity_key": SECRET}) == []
+    assert _warnings(caplog, {}) == []  # the cpu tier alone is this process's own

@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import socket
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -397,3 +398,45 @@ def test_metrics_port_serves_an_offline_engine(model_dirs, engine_factory) -> No
     finally:
         logger.removeHandler(handler)
     assert any(r.levelno == logging.WARNING and "metrics_port" in r.getMessage() for r in records)
+
+
+def _listens(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(10)
+        return s.connect_ex((host, port)) == 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="uses 127.0.0.2, Linux's loopback")
+@pytest.mark.parametrize(
+    ("metrics_host", "serves_on", "not_on"),
+    [
+        (None, "127.0.0.1", "127.0.0.2"),  # the default: this machine's loopback alone
+        ("127.0.0.2", "127.0.0.2", "127.0.0.1"),
+        ("0.0.0.0", "127.0.0.2", None),  # every address
+    ],
+)
+def test_metrics_server_binds_loopback_unless_a_host_is_given(
+    metrics_host: str | None, serves_on: str, not_on: str | None
+) -> None:
+    """`metrics_port` is served on 127.0.0.1 unless `metrics_host` says otherwise: the
+    server answers on the address bound and refuses connections on another one (Linux
+    answers for all of 127.0.0.0/8 on its loopback)."""
+    from hybridkv.core.config import HybridKVConfig
+    from hybridkv.vllm.metrics import start_metrics_server
+
+    extra: dict[str, object] = {"metrics_port": _free_port()}
+    if metrics_host is not None:
+        extra["metrics_host"] = metrics_host
+    config = HybridKVConfig.from_dict(extra, env={})
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+        model_config=SimpleNamespace(served_model_name="m"),
+    )
+    server = start_metrics_server(vllm_config, config.metrics_port, config.metrics_host)
+    assert server is not None
+    try:
+        reply = httpx.get(f"http://{serves_on}:{config.metrics_port}/metrics", timeout=30)
+        assert reply.status_code == 200 and "vllm:hybridkv_lookups" in reply.text
+        assert not_on is None or not _listens(not_on, config.metrics_port)
+    finally:
+        server.close()

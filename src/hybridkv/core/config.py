@@ -1,37 +1,29 @@
 """User configuration: one typed model of hybridkv's settings, checked once at engine start.
 
-Sources, lowest to highest precedence (a key given by a higher source replaces it):
+`HybridKVConfig` is a pydantic-settings `BaseSettings`. Its sources, highest precedence
+first (`settings_customise_sources`; a key given by a higher source replaces it):
 
-1. defaults (below, and docs/config.md);
-2. `config_file`: a YAML or JSON file (a mapping of the same keys) named by the
-   `config_file` key of `kv_connector_extra_config` or by `HYBRIDKV_CONFIG_FILE`;
-3. `kv_connector_extra_config` itself (the dict handed to `HybridKVConfig.from_dict`);
-4. `HYBRIDKV_<KEY>` environment variables, for the scalar top-level and shorthand keys
-   (`HYBRIDKV_CPU_BYTES=8GiB`, `HYBRIDKV_DISK_PATH=/var/cache/hybridkv`,
-   `HYBRIDKV_REDIS_URL=redis://cache:6379/0`); an empty variable counts as unset.
+1. `HYBRIDKV_<KEY>` environment variables, for the scalar top-level and shorthand keys;
+2. `kv_connector_extra_config`, the dict handed to `from_dict` (or the keyword arguments);
+3. `config_file`: a YAML or JSON file of the same keys, named by either source above;
+4. the defaults below.
 
-Tiers are a list in lookup order (`tiers: [{kind: cpu, ...}, {kind: disk, ...},
-{kind: redis, ...}]`): the first is the cpu tier, at most one of each kind. The flat keys
-`cpu_bytes`, `disk_*` and `redis_*` are a shorthand for the same list: within one source
-they cannot be combined with `tiers`, and a higher source's shorthand key sets that field
-of the lower sources' tier of its kind (adding the disk or redis tier when it gives
-`disk_path` / `redis_url`; a null `disk_path` / `redis_url` removes it).
-
-Every error is a `ConfigError` whose message starts with the key at fault (`disk_bytes: ...`,
-`tiers[2].url: ...`), so a bad deployment fails at engine start rather than silently running
-without a cache. Secrets (`integrity_key`, passwords in Redis URLs) are never echoed in
-errors, reprs, or `effective()`, which gives the configuration as it applies, for logging
-once at start. docs/config.md describes every key.
+The one canonical shape of the tiers is the `tiers` list (lookup order, cpu first, at most
+one of each kind). The flat keys users write (`cpu_bytes`, `disk_path`, `redis_url`, ...)
+are a shorthand for fields of that list: `_fold` translates them, after the sources merge.
+Every error is a `ConfigError` whose message starts with the key at fault, as the user
+wrote it, and says which file or variable it came from: a bad deployment fails at start
+instead of running without a cache. Secrets (`integrity_key`, passwords in Redis URLs)
+are never echoed in errors, reprs or `effective()`. docs/config.md describes every key.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import math
 import os
 import re
+from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from decimal import Decimal
@@ -39,18 +31,38 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
+    ByteSize,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
+    PlainSerializer,
+    SecretStr,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
     ValidationError,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 log = logging.getLogger(__name__)
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
+
+
+class ConfigError(ValueError):
+    """A bad hybridkv setting; the message starts with the key at fault."""
+
+
+# ---------------------------------------------------------------------------------------
+# Values pydantic has no type for. Each check raises a ValueError naming no key: the
+# error's location does (`_explain`).
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 # K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti powers of 1024; a trailing B changes nothing.
@@ -60,49 +72,27 @@ for _power, _prefix in enumerate("KMGT", start=1):
         _UNITS[_prefix + _suffix] = _base**_power
 
 
-class ConfigError(ValueError):
-    """A bad hybridkv setting; the message starts with the key at fault."""
-
-
-class _Invalid(ValueError):
-    """A bad value, before it is known under which key (the caller adds the key)."""
-
-
 def _size(value: Any) -> int:
+    """Bytes: an int, or a string like "1.5 GiB" read exactly (pydantic's ByteSize goes
+    through a float and knows no "Ki" or "K")."""
     if isinstance(value, bool):
-        raise _Invalid(f"expected a size like '512MiB', got {value!r}")
+        raise ValueError(f"expected a size like '512MiB', got {value!r}")
     if isinstance(value, int):
         n = value
     elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
         n = int(Decimal(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
     else:
-        raise _Invalid(f"expected a size like '512MiB' or an integer, got {value!r}")
+        raise ValueError(f"expected a size like '512MiB' or an integer, got {value!r}")
     if n < 0:
-        raise _Invalid(f"size must not be negative, got {value!r}")
+        raise ValueError(f"size must not be negative, got {value!r}")
     return n
-
-
-Size = Annotated[int, BeforeValidator(_size)]
-
-
-def parse_size(value: Any, key: str = "size") -> int:
-    """Parse a byte count: an int, or a string such as "512MiB", "2GB", "1.5 GiB"
-    (K, M, G, T: powers of 1000; Ki, Mi, Gi, Ti: powers of 1024; fractions of a byte are
-    dropped)."""
-    try:
-        return _size(value)
-    except _Invalid as e:
-        raise ConfigError(f"{key}: {e}") from None
 
 
 def format_size(n: int) -> str:
     """The shortest exact spelling of `n` bytes that `parse_size` reads back ("2GiB")."""
-    for unit, mult in (("TiB", 1024**4), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n and n % mult == 0:
-            return f"{n // mult}{unit}"
-    for unit, mult in (("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("KB", 1000)):
-        if n and n % mult == 0:
-            return f"{n // mult}{unit}"
+    for unit in ("TiB", "GiB", "MiB", "KiB", "TB", "GB", "MB", "KB"):
+        if n and n % _UNITS[unit.upper()] == 0:
+            return f"{n // _UNITS[unit.upper()]}{unit}"
     return f"{n}B"
 
 
@@ -110,165 +100,59 @@ _MODE_RE = re.compile(r"^(?:0o?)?([0-7]{1,4})$", re.IGNORECASE)
 
 
 def _mode(value: Any) -> int:
+    """File permissions: an int (0o660) or an octal string ("0660", "660", "0o660"); the
+    owner reads and writes, nothing beyond 0o777 (no setuid, sticky)."""
     m = _MODE_RE.match(value.strip()) if isinstance(value, str) else None
     if m:
         mode = int(m.group(1), 8)
     elif isinstance(value, int) and not isinstance(value, bool):
         mode = value
     else:
-        raise _Invalid(f"expected octal permissions like '0660', got {value!r}")
+        raise ValueError(f"expected octal permissions like '0660', got {value!r}")
     if not 0 <= mode <= 0o777 or mode & 0o600 != 0o600:
-        raise _Invalid(
+        raise ValueError(
             f"permissions must be within 0777 and let the owner read and write "
             f"(0600), got {value!r} ({mode:#o})"
         )
     return mode
 
 
-Mode = Annotated[int, BeforeValidator(_mode)]
-
-
-def parse_mode(value: Any, key: str = "disk_mode") -> int:
-    """Parse file permissions: an int (0o660) or an octal string ("0660", "660", "0o660").
-    The owner must be able to read and write; nothing beyond 0o777 (no setuid, sticky)."""
+def _keyed(check: Callable[[Any], int], value: Any, key: str) -> int:
     try:
-        return _mode(value)
-    except _Invalid as e:
+        return check(value)
+    except ValueError as e:
         raise ConfigError(f"{key}: {e}") from None
 
 
-# ---------------------------------------------------------------------------------------
-# Value types: each check raises _Invalid with a message that names no key (the error's
-# location does) and never echoes a secret.
+def parse_size(value: Any, key: str = "size") -> int:
+    """A byte count from an int or a string such as "512MiB", "2GB", "1.5 GiB" (K, M, G,
+    T: powers of 1000; Ki, Mi, Gi, Ti: powers of 1024; a fraction of a byte is dropped)."""
+    return _keyed(_size, value, key)
 
 
-def _positive_size(value: Any) -> int:
-    n = _size(value)
-    if n == 0:
-        raise _Invalid("must be more than 0 bytes")
-    return n
+def parse_mode(value: Any, key: str = "disk_mode") -> int:
+    """File permissions as `disk_mode` reads them."""
+    return _keyed(_mode, value, key)
 
 
-PositiveSize = Annotated[int, BeforeValidator(_positive_size)]
-
-
-MIN_PART_BYTES = 4096  # the Redis tier's smallest part (core/tiers/redis.py)
-
-
-def _part_size(value: Any) -> int:
-    n = _size(value)
-    if n < MIN_PART_BYTES:
-        raise _Invalid(f"must be at least {MIN_PART_BYTES} bytes (4KiB), got {value!r}")
-    return n
-
-
-PartSize = Annotated[int, BeforeValidator(_part_size)]
-
-
-def _bool(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _Invalid(f"expected true or false, got {value!r}")
-    return value
-
-
-Bool = Annotated[bool, BeforeValidator(_bool)]
-
-
-def _positive_int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise _Invalid(f"expected a positive integer, got {value!r}")
-    return value
-
-
-PositiveInt = Annotated[int, BeforeValidator(_positive_int)]
-
-
-def _number(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _Invalid(f"expected a number, got {value!r}")
-    return float(value)
-
-
-def _non_negative(value: Any) -> float:
-    x = _number(value)
-    if not x >= 0:
-        raise _Invalid(f"expected a number >= 0, got {value!r}")
-    return x
-
-
-NonNegative = Annotated[float, BeforeValidator(_non_negative)]
-
-
-def _port(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        raise _Invalid(f"expected a TCP port number from 1 to 65535, got {value!r}")
-    return value
-
-
-Port = Annotated[int, BeforeValidator(_port)]
-
-
-def _weight(value: Any) -> float:
-    x = _number(value)
-    if not (x > 0 and math.isfinite(x)):
-        raise _Invalid(f"expected a finite number > 0, got {value!r}")
-    return x
-
-
-Weight = Annotated[float, BeforeValidator(_weight)]
-
-
-def _text(value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise _Invalid(f"expected a non-empty string, got {value!r}")
-    return value
-
-
-Text = Annotated[str, BeforeValidator(_text)]
-
-
-def _choice(*options: str, note: str = "") -> Callable[[Any], str]:
-    def check(value: Any) -> str:
-        if value not in options or not isinstance(value, str):
-            raise _Invalid(f"expected one of {options}{note}, got {value!r}")
-        return value
-
-    return check
-
-
-def _secret(value: Any) -> str:
-    if not isinstance(value, str) or len(value) < 16:
-        # The value is a secret: never echo it.
-        raise _Invalid("expected a secret string of 16 characters or more")
-    return value
-
-
-Secret = Annotated[str, BeforeValidator(_secret)]
-
-
-def _directory(value: Any) -> str:
+def _directory(value: str) -> str:
     """A directory this process can use: an existing one it can read (a read-only one
     serves its entries and stores none: the disk tier says so at start), or one it can
     create (its nearest existing parent is a writable directory)."""
-    if not isinstance(value, str) or not value:
-        raise _Invalid(f"expected a directory path, got {value!r}")
     if os.path.exists(value):
         if not os.path.isdir(value):
-            raise _Invalid(f"{value!r} exists and is not a directory")
+            raise ValueError(f"{value!r} exists and is not a directory")
         if not os.access(value, os.R_OK | os.X_OK):
-            raise _Invalid(f"{value!r} is not readable by this process")
+            raise ValueError(f"{value!r} is not readable by this process")
         return value
     parent = os.path.dirname(os.path.abspath(value))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise _Invalid(f"cannot create {value!r}: {parent!r} is not a directory")
+        raise ValueError(f"cannot create {value!r}: {parent!r} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise _Invalid(f"cannot create {value!r}: {parent!r} is not writable by this process")
+        raise ValueError(f"cannot create {value!r}: {parent!r} is not writable by this process")
     return value
-
-
-Directory = Annotated[str, BeforeValidator(_directory)]
 
 
 def mask_url(url: str) -> str:
@@ -293,52 +177,180 @@ def mask_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
-def _redis_url(value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise _Invalid(f"expected a URL like 'redis://host:6379/0', got {value!r}")
+def _redis_url(value: str) -> str:
+    """What redis-py's `from_url` takes. Not pydantic's RedisDsn: that refuses unix://
+    sockets, and fills in a missing host as localhost where a typo should fail."""
     shown = mask_url(value)
     try:
         parts = urlsplit(value)
         parts.port  # noqa: B018 - raises on a port that is not a number
     except ValueError as e:
-        raise _Invalid(f"{shown!r} is not a valid URL ({e})") from None
+        raise ValueError(f"{shown!r} is not a valid URL ({e})") from None
     if parts.scheme not in ("redis", "rediss", "unix"):
-        raise _Invalid(f"expected a redis://, rediss:// or unix:// URL, got {shown!r}")
+        raise ValueError(f"expected a redis://, rediss:// or unix:// URL, got {shown!r}")
     if parts.scheme == "unix" and not parts.path:
-        raise _Invalid(f"a unix:// URL needs a socket path, got {shown!r}")
+        raise ValueError(f"a unix:// URL needs a socket path, got {shown!r}")
     if parts.scheme != "unix" and not parts.hostname:
-        raise _Invalid(f"the URL names no host, got {shown!r}")
+        raise ValueError(f"the URL names no host, got {shown!r}")
     return value
 
 
-RedisURL = Annotated[str, BeforeValidator(_redis_url)]
+def _not_null(value: Any) -> Any:
+    if value is None:
+        raise ValueError("null is not a value; leave the key out for the default")
+    return value
 
 
-def _key_prefix(value: Any) -> str:
-    text = _text(value)
-    if "{" in text or "}" in text:
-        raise _Invalid(f"must not hold braces (hybridkv's hash tag uses them), got {value!r}")
-    return text
+def _long_secret(value: SecretStr) -> SecretStr:
+    if len(value.get_secret_value()) < 16:
+        raise ValueError("expected a secret string of 16 characters or more")
+    return value
 
 
-KeyPrefix = Annotated[str, BeforeValidator(_key_prefix)]
-
-
-STORE_POLICIES = ("always", "on_evict", "never")
-CHECKPOINT_POLICIES = ("prompt_and_end", "every_chunk")
-
-StorePolicy = Annotated[
-    Literal["always", "on_evict", "never"], BeforeValidator(_choice(*STORE_POLICIES))
+# Sizes and modes read as above and are spelled back in units and octal by `effective`;
+# other checks are pydantic's own, strict (no "yes" for true, no "64" for 64).
+Size = Annotated[ByteSize, BeforeValidator(_size), PlainSerializer(format_size, when_used="json")]
+PositiveSize = Annotated[Size, Field(gt=0)]
+Mode = Annotated[
+    int, BeforeValidator(_mode), PlainSerializer(lambda m: f"0{m:o}", when_used="json")
 ]
-CpuStorePolicy = Annotated[
-    Literal["always", "on_evict"],
-    BeforeValidator(
-        _choice("always", "on_evict", note=" ('never' would leave the cpu tier unused)")
-    ),
+Text = Annotated[StrictStr, Field(min_length=1)]
+PositiveInt = Annotated[StrictInt, Field(gt=0)]
+Weight = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
+RedisURL = Annotated[Text, AfterValidator(_redis_url), PlainSerializer(mask_url, when_used="json")]
+Secret = Annotated[
+    SecretStr,
+    Field(strict=True),
+    AfterValidator(_long_secret),
+    PlainSerializer(lambda _: "***", when_used="json"),
 ]
-CheckpointPolicy = Annotated[
-    Literal["prompt_and_end", "every_chunk"], BeforeValidator(_choice(*CHECKPOINT_POLICIES))
+
+
+# ---------------------------------------------------------------------------------------
+# Tiers
+
+
+class _Tier(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+    kind: str  # each tier's own literal: the list's discriminator, first in dumps
+    # A hit's matched tokens x load_weight ranks the tiers that hold it (ties: the faster).
+    load_weight: Weight = 1.0
+    # always | on_evict (what the tier above evicts) | never (read-only).
+    store: Literal["always", "on_evict", "never"] = "always"
+
+
+class CpuTierConfig(_Tier):
+    """Host memory (pinned when the engine's cache is on a GPU): always the first tier."""
+
+    kind: Literal["cpu"] = "cpu"
+    bytes: Size = 2 * GiB
+    store: Literal["always", "on_evict"] = "always"  # never would leave it unused
+
+
+class DiskTierConfig(_Tier):
+    """Local (or shared-filesystem) directory; persists across restarts."""
+
+    kind: Literal["disk"] = "disk"
+    path: Annotated[Text, AfterValidator(_directory)]
+    bytes: PositiveSize = 16 * GiB
+    # fsync each file before its rename: durability across power loss, not correctness
+    # (a torn file fails its checksum and is a miss).
+    fsync: StrictBool = False
+    # Read files past the page cache (O_DIRECT): no page-cache work or second copy of
+    # entries; faster restores on a busy CPU host, slower reads on an idle one.
+    direct_io: StrictBool = False
+    # Bytes waiting to be written before further stores are dropped (and counted).
+    queue_bytes: PositiveSize = 256 * MiB
+    # Permissions of the tier's files (directories get the matching search bits):
+    # private by default; e.g. 0o660 for engines of one group sharing the path.
+    mode: Mode = 0o600
+
+
+class RedisTierConfig(_Tier):
+    """A Redis / Valkey server or Redis Cluster shared by replicas; Redis evicts."""
+
+    kind: Literal["redis"] = "redis"
+    url: RedisURL
+    cluster: StrictBool = False
+    # Expiry of every value written; None: none (the server's maxmemory-policy evicts).
+    ttl_s: PositiveInt | None = None
+    # Braces are hybridkv's hash tag.
+    key_prefix: Annotated[Text, Field(pattern=r"^[^{}]*$")] = "hybridkv"
+    # Longest any connect or read may wait before the tier is marked down.
+    timeout_ms: PositiveInt = 200
+    # Values longer than this are split into parts of this size (4KiB at least: the
+    # tier's MIN_PART_BYTES, core/tiers/redis.py).
+    max_entry_bytes: Annotated[Size, Field(ge=4096)] = 8 * MiB
+    queue_bytes: PositiveSize = 256 * MiB
+
+    def __repr_args__(self):  # the URL may hold a password
+        for name, value in super().__repr_args__():
+            yield name, mask_url(value) if name == "url" else value
+
+
+TierConfig = Annotated[
+    CpuTierConfig | DiskTierConfig | RedisTierConfig, Field(discriminator="kind")
 ]
+TIER_KINDS = ("cpu", "disk", "redis")  # also the order the shorthand puts tiers in
+_TIER_MODELS: dict[str, type[_Tier]] = {
+    "cpu": CpuTierConfig,
+    "disk": DiskTierConfig,
+    "redis": RedisTierConfig,
+}
+
+
+# ---------------------------------------------------------------------------------------
+# The shorthand: flat key -> (tier kind, field), `{kind}_{field}` for every field of a
+# tier but kind, load_weight and store (`cpu_bytes`, `disk_path`, ..., `redis_queue_bytes`).
+
+_FLAT: dict[str, tuple[str, str]] = {
+    f"{kind}_{name}": (kind, name)
+    for kind, model in _TIER_MODELS.items()
+    for name in model.model_fields
+    if name not in ("kind", "load_weight", "store")
+}
+# The shorthand key that makes a tier of its kind; null removes the tier.
+_PRIMARY = {"disk": "disk_path", "redis": "redis_url"}
+
+
+def _kind_of(tier: Any) -> Any:
+    return tier.get("kind") if isinstance(tier, Mapping) else getattr(tier, "kind", None)
+
+
+def _fold(
+    data: dict[str, Any], where: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[tuple[str, str], str]]:
+    """`data` (the merged sources) with its shorthand keys set in the `tiers` list, and
+    which shorthand key set each (kind, field), for errors to name. A tier the list lacks
+    joins it in cpu, disk, redis order."""
+    flat = {k: data.pop(k) for k in list(data) if k in _FLAT}
+    if "tiers" in data and data["tiers"] is None:
+        del data["tiers"]  # null: the default list
+    tiers = data.get("tiers", [{"kind": "cpu"}])
+    if not flat or not isinstance(tiers, list | tuple):
+        return data, {}  # not a list: validation names `tiers`
+    tiers = [t.model_dump() if isinstance(t, BaseModel) else t for t in tiers]
+    names: dict[tuple[str, str], str] = {}
+    for kind in TIER_KINDS:
+        items = {k: v for k, v in flat.items() if _FLAT[k][0] == kind}
+        primary = _PRIMARY.get(kind)
+        if primary in items and items[primary] is None:  # null: no tier of this kind
+            del items[primary]
+            tiers = [t for t in tiers if _kind_of(t) != kind]
+        if not items:
+            continue
+        at = next((i for i, t in enumerate(tiers) if _kind_of(t) == kind), None)
+        if at is None:
+            if primary is not None and primary not in items:
+                key = min(items)
+                raise ConfigError(f"{key}: has no effect without {primary}{where.get(key, '')}")
+            later = TIER_KINDS[TIER_KINDS.index(kind) + 1 :]
+            at = next((i for i, t in enumerate(tiers) if _kind_of(t) in later), len(tiers))
+            tiers.insert(at, {"kind": kind})
+        tiers[at] = {**tiers[at], **{_FLAT[k][1]: v for k, v in items.items()}}
+        names.update({_FLAT[k]: k for k in items})
+    return {**data, "tiers": tiers}, names
 
 
 T = TypeVar("T")
@@ -362,251 +374,227 @@ class _FlatSetting(Generic[T]):
         return None if default is PydanticUndefined else default  # type: ignore[return-value]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid",
-        frozen=True,
-        hide_input_in_errors=True,
-        protected_namespaces=(),
-        ignored_types=(_FlatSetting,),
+# ---------------------------------------------------------------------------------------
+# Sources
+
+# Carries, through pydantic-settings' merge of the sources, where each key came from
+# (" (from config_file '...')"): the higher source's entry wins, as its value does.
+_WHERE = "hybridkv:where"
+_ENV_PREFIX = "HYBRIDKV_"
+_ENV_NOT_SETTINGS = {"HYBRIDKV_HOME"}  # read elsewhere (models.py)
+# How a variable's text reads for keys that are not strings; text that does not read
+# is passed on as is, for validation to name with the variable.
+_ENV_TYPES = {
+    key: TypeAdapter(kind)
+    for kind, keys in (
+        (bool, ("disk_fsync", "disk_direct_io", "redis_cluster")),
+        (int, ("chunk_tokens", "redis_ttl_s", "redis_timeout_ms", "metrics_port")),
+        (float, ("eviction_alpha",)),
     )
-
-
-# ---------------------------------------------------------------------------------------
-# Tiers
-
-
-class CpuTierConfig(_Model):
-    """Host memory (pinned when the engine's cache is on a GPU): always the first tier."""
-
-    kind: Literal["cpu"] = "cpu"
-    # Host memory for cached entries.
-    bytes: Size = 2 * GiB
-    # A hit's matched tokens x load_weight ranks the tiers that hold it (ties: the faster).
-    load_weight: Weight = 1.0
-    # When entries are stored here: always, or on_evict (when the GPU cache evicts them).
-    store: CpuStorePolicy = "always"
-
-
-class DiskTierConfig(_Model):
-    """Local (or shared-filesystem) directory; persists across restarts."""
-
-    kind: Literal["disk"] = "disk"
-    path: Directory
-    bytes: PositiveSize = 16 * GiB
-    # fsync each file before its rename: durability across power loss, not correctness
-    # (a torn file fails its checksum and is a miss).
-    fsync: Bool = False
-    # Read files past the page cache (O_DIRECT): no page-cache work or second copy of
-    # entries; faster restores on a busy CPU host, slower reads on an idle one.
-    direct_io: Bool = False
-    # Bytes waiting to be written before further stores are dropped (and counted).
-    queue_bytes: PositiveSize = 256 * MiB
-    # Permissions of the tier's files (directories get the matching search bits):
-    # private by default; e.g. 0o660 for engines of one group sharing the path.
-    mode: Mode = 0o600
-    load_weight: Weight = 1.0
-    # always | on_evict (what the tier above evicts) | never (read-only).
-    store: StorePolicy = "always"
-
-
-class RedisTierConfig(_Model):
-    """A Redis / Valkey server or Redis Cluster shared by replicas; Redis evicts."""
-
-    kind: Literal["redis"] = "redis"
-    # redis://[[user]:password@]host:port/db, rediss://… (TLS), or unix:///path.sock.
-    url: RedisURL
-    # A Redis Cluster (url names any node).
-    cluster: Bool = False
-    # Expiry of every value written; None: none (the server's maxmemory-policy evicts).
-    ttl_s: PositiveInt | None = None
-    key_prefix: KeyPrefix = "hybridkv"
-    # Longest any connect or read may wait before the tier is marked down.
-    timeout_ms: PositiveInt = 200
-    # Values longer than this are split into parts of this size.
-    max_entry_bytes: PartSize = 8 * MiB
-    # Bytes waiting to be written before further stores are dropped (and counted).
-    queue_bytes: PositiveSize = 256 * MiB
-    load_weight: Weight = 1.0
-    store: StorePolicy = "always"
-
-    def __repr_args__(self):  # the URL may hold a password
-        for name, value in super().__repr_args__():
-            yield name, mask_url(value) if name == "url" else value
-
-
-TierConfig = Annotated[
-    CpuTierConfig | DiskTierConfig | RedisTierConfig, Field(discriminator="kind")
-]
-TIER_KINDS = ("cpu", "disk", "redis")
-_TIER_MODELS: dict[str, type[_Model]] = {
-    "cpu": CpuTierConfig,
-    "disk": DiskTierConfig,
-    "redis": RedisTierConfig,
+    for key in keys
 }
-
-# Shorthand: flat key -> (tier kind, field), `{kind}_{field}` for every field of a tier
-# but these (`cpu_bytes`, `disk_path`, ..., `redis_queue_bytes`).
-_NO_SHORTHAND = ("kind", "load_weight", "store")
-_FLAT: dict[str, tuple[str, str]] = {
-    f"{kind}_{name}": (kind, name)
-    for kind, model in _TIER_MODELS.items()
-    for name in model.model_fields
-    if name not in _NO_SHORTHAND
-}
-# The shorthand key that creates a tier of each kind.
-_PRIMARY = {"disk": "disk_path", "redis": "redis_url"}
+_ENV_NULLABLE = {"chunk_tokens", "redis_ttl_s", "metrics_port"}  # "none" / "null" unsets
 
 
-# ---------------------------------------------------------------------------------------
-# Folding sources and shorthand keys into one input
+def _env_value(key: str, text: str) -> Any:
+    word = text.strip().lower()
+    if key in _ENV_NULLABLE and word in ("none", "null"):
+        return None
+    try:
+        return _ENV_TYPES[key].validate_python(word) if key in _ENV_TYPES else text
+    except ValidationError:
+        return text
 
 
-def _kind_of(tier: Any) -> Any:
-    return tier.get("kind") if isinstance(tier, Mapping) else getattr(tier, "kind", None)
+def _read_config_file(path: str) -> dict[str, Any]:
+    """The settings in a YAML (or, by a .json suffix, JSON) file: a mapping of keys."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"config_file: cannot read {path!r}: {e.strerror or e}") from None
+    if path.lower().endswith(".json"):
+        try:
+            data = json.loads(text) if text.strip() else None
+        except ValueError as e:
+            raise ConfigError(f"config_file: {path!r} is not valid JSON: {e}") from None
+    else:
+        import yaml  # PyYAML comes with vLLM
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config_file: {path!r} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise ConfigError(
+            f"config_file: {path!r} must hold a mapping of settings by name, "
+            f"got {type(data).__name__}"
+        )
+    if "config_file" in data:
+        raise ConfigError(f"config_file: {path!r} names another config_file; files do not nest")
+    return data
 
 
-class _Merge:
-    """Applies sources in precedence order, remembering where each value came from so
-    that an error names the key the user wrote, and where."""
+class _Source(PydanticBaseSettingsSource):
+    """One source's settings as written. pydantic-settings calls the sources highest
+    first, each with what the higher ones set (`current_state`), and merges them key by
+    key; what it cannot merge key by key is done here: a tiers list (or null) above
+    replaces this source's shorthand keys, and a null disk_path / redis_url above its
+    keys of that tier."""
 
-    def __init__(self) -> None:
-        self.top: dict[str, Any] = {}
-        self.tiers: Any = None  # None: the default, a cpu tier alone
-        self.flat_names: dict[tuple[str, str], str] = {}  # (kind, field) -> flat key
-        self.sources: dict[str, str] = {}  # key as written -> " (from …)" or ""
+    @abstractmethod
+    def read(self) -> dict[str, tuple[Any, str]]:
+        """key -> (value, where it came from: "" or " (from ...)")."""
 
-    def apply(self, layer: Mapping[str, Any], source: Callable[[str], str]) -> None:
-        flat = {k: v for k, v in layer.items() if k in _FLAT}
-        if "tiers" in layer:  # null: the default list
-            if flat and layer["tiers"] is not None:
-                key = sorted(flat)[0]
-                raise ConfigError(
-                    f"{key}: cannot be combined with tiers in one place; set "
-                    f"{_FLAT[key][1]!r} of the {_FLAT[key][0]} tier in the tiers list"
-                    f"{source(key)}"
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: `read` gives every key at once
+
+    def __call__(self) -> dict[str, Any]:
+        layer = self.read()
+        values = {k: v for k, (v, _) in layer.items()}
+        flat = sorted(k for k in values if k in _FLAT)
+        if flat and values.get("tiers") is not None:
+            kind, field = _FLAT[flat[0]]
+            raise ConfigError(
+                f"{flat[0]}: cannot be combined with tiers in one place; set {field!r} "
+                f"of the {kind} tier in the tiers list{layer[flat[0]][1]}"
+            )
+        above = self.current_state
+        for key in flat:
+            primary = _PRIMARY.get(_FLAT[key][0])
+            if "tiers" in above or primary in above and above[primary] is None:
+                del values[key]
+        return {**values, _WHERE: {k: layer[k][1] for k in values}}
+
+
+class _Environment(_Source):
+    """`HYBRIDKV_<KEY>` variables of scalar top-level and shorthand keys; an empty one
+    counts as unset, one that names no setting is ignored with a warning."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]):
+        super().__init__(settings_cls)
+        self.environ = environ
+
+    def read(self) -> dict[str, tuple[Any, str]]:
+        out: dict[str, tuple[Any, str]] = {}
+        for name, text in self.environ.items():
+            if not name.startswith(_ENV_PREFIX) or name in _ENV_NOT_SETTINGS:
+                continue
+            key = name[len(_ENV_PREFIX) :].lower()
+            if key not in _ENV_KEYS:
+                log.warning(
+                    "hybridkv: ignoring %s: not a setting (settable: %s)",
+                    name,
+                    ", ".join(f"{_ENV_PREFIX}{k.upper()}" for k in sorted(_ENV_KEYS)),
                 )
-            tiers = layer["tiers"]
-            self.tiers = list(tiers) if isinstance(tiers, list | tuple) else tiers
-            self.flat_names = {}
-            self.sources["tiers"] = source("tiers")
-        for key, value in layer.items():
-            if key not in _FLAT and key != "tiers":
-                self.top[key] = value
-                self.sources[key] = source(key)
-        if flat:
-            self._apply_flat(flat, source)
-
-    def _apply_flat(self, flat: dict[str, Any], source: Callable[[str], str]) -> None:
-        if self.tiers is None:
-            self.tiers = [{"kind": "cpu"}]
-        if not isinstance(self.tiers, list):
-            return  # not a list: validation names `tiers`
-        tiers = [dict(t) if isinstance(t, Mapping) else t for t in self.tiers]
-        for kind in TIER_KINDS:
-            items = {k: v for k, v in flat.items() if _FLAT[k][0] == kind}
-            if not items:
-                continue
-            at = next((i for i, t in enumerate(tiers) if _kind_of(t) == kind), None)
-            primary = _PRIMARY.get(kind)
-            if primary in items and items[primary] is None:
-                # A null disk_path / redis_url: no tier of this kind.
-                others = sorted(k for k in items if k != primary)
-                if others:
-                    raise ConfigError(
-                        f"{others[0]}: has no effect without {primary}{source(others[0])}"
-                    )
-                if at is not None:
-                    del tiers[at]
-                self.flat_names = {n: k for n, k in self.flat_names.items() if n[0] != kind}
-                continue
-            if at is None:
-                if primary is not None and primary not in items:
-                    key = sorted(items)[0]
-                    raise ConfigError(f"{key}: has no effect without {primary}{source(key)}")
-                if kind == "cpu":
-                    at = 0
-                elif kind == "disk":  # under cpu, above redis: the shorthand's order
-                    at = next(
-                        (i for i, t in enumerate(tiers) if _kind_of(t) == "redis"), len(tiers)
-                    )
-                else:
-                    at = len(tiers)
-                tiers.insert(at, {"kind": kind})
-            if not isinstance(tiers[at], Mapping):
-                tiers[at] = tiers[at].model_dump()
-            for key, value in items.items():
-                tiers[at][_FLAT[key][1]] = value
-                self.flat_names[_FLAT[key]] = key
-                self.sources[key] = source(key)
-        self.tiers = tiers
-
-    def result(self) -> dict[str, Any]:
-        out = dict(self.top)
-        if self.tiers is not None:
-            out["tiers"] = self.tiers
+            elif text.strip():
+                out[key] = (_env_value(key, text), f" (from environment {name})")
         return out
 
 
-def _no_source(key: str) -> str:
-    return ""
+class _Arguments(_Source):
+    """`kv_connector_extra_config` (the keyword arguments of a direct construction)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], raw: Mapping[str, Any]):
+        super().__init__(settings_cls)
+        self.raw = raw
+
+    def read(self) -> dict[str, tuple[Any, str]]:
+        return {k: (v, "") for k, v in self.raw.items()}
 
 
-# The sources of the configuration being built by from_dict, for its error messages.
-_MERGE: ContextVar[_Merge | None] = ContextVar("hybridkv_config_merge", default=None)
+class _ConfigFile(_Source):
+    """The file `config_file` names in a higher source (a bad name is left to validation)."""
+
+    def read(self) -> dict[str, tuple[Any, str]]:
+        path = self.current_state.get("config_file")
+        if not isinstance(path, str) or not path:
+            return {}
+        where = f" (from config_file {path!r})"
+        return {k: (v, where) for k, v in _read_config_file(path).items()}
 
 
-def _folded(data: Mapping[str, Any]) -> _Merge:
-    merge = _Merge()
-    merge.apply(data, _no_source)
-    return merge
+# What `from_dict` was given (the dict, the environment), for the sources of the model it
+# builds. Not keyword arguments: BaseSettings takes some (`_cli_parse_args`) for itself.
+_FROM_DICT: ContextVar[tuple[Mapping[str, Any], Mapping[str, str]] | None] = ContextVar(
+    "hybridkv_from_dict", default=None
+)
 
 
 # ---------------------------------------------------------------------------------------
 # The model
 
 
-class HybridKVConfig(_Model):
+class HybridKVConfig(BaseSettings):
     """Settings read from `kv_connector_extra_config` (see the module docstring and
     docs/config.md). `tiers` is the normalized tier list; the flat attributes
     (`cpu_bytes`, `disk_path`, `redis_url`, ...) read the same values from it."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid",
+        frozen=True,
+        case_sensitive=True,
+        validate_default=False,
+        hide_input_in_errors=True,
+        ser_json_inf_nan="constants",
+        protected_namespaces=(),
+        ignored_types=(_FlatSetting,),
+    )
 
     # Lookup order; the first is the cpu tier, at most one of each kind.
     tiers: tuple[TierConfig, ...] = (CpuTierConfig(),)
     # Tokens per stored chunk; None picks the smallest size every group's block tiles.
     chunk_tokens: PositiveInt | None = None
     # Which recurrent-state boundaries are kept: see core/policy.py.
-    checkpoint_policy: CheckpointPolicy = "prompt_and_end"
-    # Names the weights in every key. Defaults to the engine's model path; set it when
+    checkpoint_policy: Literal["prompt_and_end", "every_chunk"] = "prompt_and_end"
+    # Names the weights in every key. None: the engine's model path; set it when
     # replicas load the same weights from different paths.
-    # (null is not a value: leave the key out for the default.)
-    model_id: Annotated[str | None, BeforeValidator(_text)] = None
+    model_id: Annotated[Text | None, BeforeValidator(_not_null)] = None
     # Secret that MACs every disk and Redis entry, so that whoever can write to a shared
-    # disk path or Redis cannot inject KV: entries without this MAC are misses.
-    integrity_key: Secret | None = Field(default=None, repr=False)
+    # disk path or Redis cannot inject KV: entries without this MAC are misses. Read it
+    # as `integrity_key` (SecretStr keeps it out of reprs).
+    integrity_secret: Secret | None = Field(default=None, alias="integrity_key")
     # Weight of prefill saved per byte against recency when CPU memory evicts recurrent
     # boundaries (core/eviction.py); 0 is LRU over whole boundaries.
-    eviction_alpha: NonNegative = 0.25
+    eviction_alpha: Annotated[float, Field(strict=True, ge=0)] = 0.25
     # Bytes each rank writes into its KV cache for restores in one engine step; the rest
     # waits for the next steps, so a large restore does not stall decoding requests
     # (the GPU copies overlap forwards; a CPU engine copies in the step). 0: no limit.
     load_step_bytes: Size = 64 * MiB
     # Serve the vllm:hybridkv_* metrics over HTTP on this port from the scheduler side's
     # process, for engines without vLLM's server (offline LLM); off by default.
-    metrics_port: Port | None = None
-    # The YAML / JSON file the settings were merged from (read by from_dict only).
+    metrics_port: Annotated[StrictInt, Field(ge=1, le=65535)] | None = None
+    # The address metrics_port binds: this machine alone unless set ("0.0.0.0": all).
+    metrics_host: Text = "127.0.0.1"
+    # The YAML / JSON file the settings were merged from.
     config_file: Text | None = None
 
-    def __init__(self, /, **data: Any) -> None:
-        # pydantic runs this for model_validate too: every path raises ConfigError.
+    def __init__(self, /, **values: Any) -> None:
+        # Every failed check reaches here as pydantic's ValidationError around the
+        # ConfigError `_fold_and_explain` raised: hand on the ConfigError.
         try:
-            super().__init__(**data)
+            super().__init__(**values)
         except ValidationError as e:
-            merge = _MERGE.get()
-            if merge is None:
-                with contextlib.suppress(ConfigError):
-                    merge = _folded(data)
-            raise ConfigError(_explain(e, merge)) from None
+            raise ConfigError(_explain(e, {}, {})) from None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Highest precedence first, as pydantic-settings takes them."""
+        raw, environ = _FROM_DICT.get() or (init_settings(), os.environ)
+        return (
+            _Environment(settings_cls, environ),
+            _Arguments(settings_cls, raw),
+            _ConfigFile(settings_cls),
+        )
 
     @classmethod
     def from_dict(
@@ -614,26 +602,33 @@ class HybridKVConfig(_Model):
     ) -> HybridKVConfig:
         """The configuration from `kv_connector_extra_config` (`raw`), the file it names
         in `config_file`, and `HYBRIDKV_*` variables of `env` (default: os.environ)."""
-        merge = _merge_sources(dict(raw or {}), os.environ if env is None else env)
-        token = _MERGE.set(merge)  # so that errors name the keys as the sources spell them
+        token = _FROM_DICT.set((dict(raw or {}), os.environ if env is None else env))
         try:
-            return cls(**merge.result())
+            return cls()
         finally:
-            _MERGE.reset(token)
+            _FROM_DICT.reset(token)
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _fold_shorthand(cls, data: Any) -> Any:
+    def _fold_and_explain(
+        cls, data: Any, handler: ModelWrapValidatorHandler[HybridKVConfig]
+    ) -> HybridKVConfig:
         if not isinstance(data, Mapping):
-            return data
-        data = _folded(data).result()
+            return handler(data)
+        data = dict(data)
+        where = data.pop(_WHERE, {})
+        data, names = _fold(data, where)
         tiers = data.get("tiers", ())
         kinds = {_kind_of(t) for t in tiers} if isinstance(tiers, list | tuple) else {"?"}
         if data.get("integrity_key") is not None and not kinds & {"disk", "redis", "?"}:
             raise ConfigError(
-                "integrity_key: has no effect without disk_path or redis_url (a disk or redis tier)"
+                "integrity_key: has no effect without disk_path or redis_url "
+                f"(a disk or redis tier){where.get('integrity_key', '')}"
             )
-        return data
+        try:
+            return handler(data)
+        except ValidationError as e:
+            raise ConfigError(_explain(e, names, where)) from None
 
     @model_validator(mode="after")
     def _check_tiers(self) -> HybridKVConfig:
@@ -649,6 +644,12 @@ class HybridKVConfig(_Model):
             if kind in kinds[:i]:
                 raise ConfigError(f"tiers[{i}].kind: a second {kind} tier; at most one of each")
         return self
+
+    @property
+    def integrity_key(self) -> str | None:
+        """The secret itself, for the tiers' MAC."""
+        secret = self.integrity_secret
+        return None if secret is None else secret.get_secret_value()
 
     # Tiers by kind ----------------------------------------------------------------------
 
@@ -688,154 +689,51 @@ class HybridKVConfig(_Model):
     redis_queue_bytes = _FlatSetting[int]()
 
 
-# Keys settable from the environment: scalar top-level and shorthand keys.
-_ENV_PREFIX = "HYBRIDKV_"
-_ENV_NOT_SETTINGS = {"HYBRIDKV_HOME"}  # read elsewhere (models.py)
-_ENV_BOOL = {"disk_fsync", "disk_direct_io", "redis_cluster"}
-_ENV_INT = {"chunk_tokens", "redis_ttl_s", "redis_timeout_ms", "metrics_port"}
-_ENV_FLOAT = {"eviction_alpha"}
-_ENV_NULLABLE = {"chunk_tokens", "redis_ttl_s", "metrics_port"}
-_ENV_KEYS = (set(HybridKVConfig.model_fields) - {"tiers"}) | set(_FLAT)
-_BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True}
-_BOOL_WORDS.update({"false": False, "0": False, "no": False, "off": False})
-
-
-def _env_value(key: str, text: str) -> Any:
-    """The setting an environment variable's text stands for; text that does not read
-    as the key's type is passed on as is, for validation to name."""
-    word = text.strip().lower()
-    if key in _ENV_NULLABLE and word in ("none", "null"):
-        return None
-    if key in _ENV_BOOL:
-        return _BOOL_WORDS.get(word, text)
-    if key in _ENV_INT and re.fullmatch(r"[+-]?\d+", word):
-        return int(word)
-    if key in _ENV_FLOAT:
-        try:
-            return float(word)
-        except ValueError:
-            return text
-    return text
-
-
-def env_settings(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
-    """The settings of `HYBRIDKV_*` variables in `env`: key -> (value, variable)."""
-    out: dict[str, tuple[Any, str]] = {}
-    for name, text in env.items():
-        if not name.startswith(_ENV_PREFIX) or name in _ENV_NOT_SETTINGS:
-            continue
-        key = name[len(_ENV_PREFIX) :].lower()
-        if key not in _ENV_KEYS:
-            log.warning(
-                "hybridkv: ignoring %s: not a setting (settable: %s)",
-                name,
-                ", ".join(f"{_ENV_PREFIX}{k.upper()}" for k in sorted(_ENV_KEYS)),
-            )
-            continue
-        if text.strip():
-            out[key] = (_env_value(key, text), name)
-    return out
-
-
-def load_config_file(path: str) -> dict[str, Any]:
-    """The settings in a YAML (or, by a .json suffix, JSON) file: a mapping of keys."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ConfigError(f"config_file: cannot read {path!r}: {e.strerror or e}") from None
-    if path.lower().endswith(".json"):
-        try:
-            data = json.loads(text) if text.strip() else None
-        except ValueError as e:
-            raise ConfigError(f"config_file: {path!r} is not valid JSON: {e}") from None
-    else:
-        import yaml  # PyYAML comes with vLLM
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config_file: {path!r} is not valid YAML: {e}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
-        raise ConfigError(
-            f"config_file: {path!r} must hold a mapping of settings by name, "
-            f"got {type(data).__name__}"
-        )
-    if "config_file" in data:
-        raise ConfigError(f"config_file: {path!r} names another config_file; files do not nest")
-    return data
-
-
-def _merge_sources(raw: dict[str, Any], env: Mapping[str, str]) -> _Merge:
-    from_env = env_settings(env)
-    merge = _Merge()
-    path = from_env["config_file"][0] if "config_file" in from_env else raw.get("config_file")
-    if path is not None:
-        if not isinstance(path, str) or not path:
-            raise ConfigError(f"config_file: expected a file path, got {path!r}")
-        merge.apply(load_config_file(path), lambda k: f" (from config_file {path!r})")
-    merge.apply(raw, _no_source)
-    merge.apply(
-        {k: v for k, (v, _) in from_env.items()},
-        lambda k: f" (from environment {from_env[k][1]})",
-    )
-    return merge
+# Every key a source may hold, as written; the environment sets all but `tiers`.
+_KEYS = {f.alias or name for name, f in HybridKVConfig.model_fields.items()} | set(_FLAT)
+_ENV_KEYS = _KEYS - {"tiers"}
 
 
 # ---------------------------------------------------------------------------------------
 # Errors
 
 
-def _where(loc: tuple[Any, ...], merge: _Merge | None) -> tuple[str, str]:
+def _where(
+    loc: tuple[Any, ...], names: Mapping[tuple[str, str], str], where: Mapping[str, str]
+) -> tuple[str, str]:
     """The key a location names as the user wrote it, and the source suffix."""
-    if not loc:
-        return "", ""
-    sources = merge.sources if merge is not None else {}
-    if loc[0] == "tiers" and len(loc) >= 2 and isinstance(loc[1], int):
+    if loc[:1] == ("tiers",) and len(loc) >= 2 and isinstance(loc[1], int):
         rest = list(loc[2:])
         kind = rest.pop(0) if rest and rest[0] in TIER_KINDS else None
-        if kind is not None and rest and merge is not None:
-            flat = merge.flat_names.get((kind, rest[0]))
-            if flat is not None:
-                return ".".join([flat, *map(str, rest[1:])]), sources.get(flat, "")
-        name = f"tiers[{loc[1]}]" + "".join(f".{p}" for p in rest)
-        return name, sources.get("tiers", "")
-    return ".".join(map(str, loc)), sources.get(str(loc[0]), "")
+        flat = names.get((kind, rest[0])) if kind and rest else None
+        if flat is not None:
+            return ".".join([flat, *map(str, rest[1:])]), where.get(flat, "")
+        return f"tiers[{loc[1]}]" + "".join(f".{p}" for p in rest), where.get("tiers", "")
+    return ".".join(map(str, loc)), where.get(str(loc[0]), "") if loc else ""
 
 
-def _tier_kind(err: Any) -> str | None:
-    loc = err["loc"]
-    if len(loc) >= 3 and loc[0] == "tiers" and loc[2] in TIER_KINDS:
-        return loc[2]
-    return None
-
-
-def _describe(err: Any, merge: _Merge | None) -> str:
+def _describe(err: Any, names: Mapping[tuple[str, str], str], where: Mapping[str, str]) -> str:
     kind, loc = err["type"], err["loc"]
-    name, suffix = _where(loc, merge)
+    name, suffix = _where(loc, names, where)
+    tier = loc[2] if len(loc) >= 3 and loc[0] == "tiers" and loc[2] in TIER_KINDS else None
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, ConfigError):  # a check across keys: names its own key
         return str(cause)
-    if isinstance(cause, _Invalid):
+    if isinstance(cause, ValueError):
         return f"{name}: {cause}{suffix}"
+    if kind == "extra_forbidden" and tier is not None:
+        known = ", ".join(_TIER_MODELS[tier].model_fields)
+        return f"{name}: unknown setting of a {tier} tier{suffix} (known: {known})"
     if kind == "extra_forbidden":
-        tier = _tier_kind(err)
-        if tier is not None:
-            known = ", ".join(_TIER_MODELS[tier].model_fields)
-            return f"{name}: unknown setting of a {tier} tier{suffix} (known: {known})"
         # suffix: " (from config_file '…')" -> " in config_file '…'"
-        where = f" in {suffix[len(' (from ') : -1]}" if suffix else " in kv_connector_extra_config"
-        known = ", ".join(sorted(_ENV_KEYS | {"tiers"}))
-        return f"{name}: unknown hybridkv setting{where} (known: {known})"
+        place = f" in {suffix[len(' (from ') : -1]}" if suffix else " in kv_connector_extra_config"
+        return f"{name}: unknown hybridkv setting{place} (known: {', '.join(sorted(_KEYS))})"
     if kind == "union_tag_not_found":
         return f"{name}.kind: missing; expected one of {TIER_KINDS}{suffix}"
     if kind == "union_tag_invalid":
         got = (err.get("ctx") or {}).get("tag")
         return f"{name}.kind: expected one of {TIER_KINDS}, got {got!r}{suffix}"
     if kind == "missing":
-        tier = _tier_kind(err)
         return f"{name}: required{f' for a {tier} tier' if tier else ''}{suffix}"
     if kind == "model_attributes_type" and name.startswith("tiers["):
         got = _shown(err["input"])
@@ -853,39 +751,24 @@ def _shown(value: Any) -> Any:
     return mask_url(value) if isinstance(value, str) and "://" in value else value
 
 
-def _explain(e: ValidationError, merge: _Merge | None) -> str:
+def _explain(
+    e: ValidationError, names: Mapping[tuple[str, str], str], where: Mapping[str, str]
+) -> str:
     """One line per problem; unknown keys first (alphabetically), then the rest in the
     model's order, so the message starts with a key at fault."""
     errors = e.errors(include_url=False)
-    errors.sort(key=lambda err: (err["type"] != "extra_forbidden", _sort_key(err)))
-    return "\n".join(dict.fromkeys(_describe(err, merge) for err in errors))
-
-
-def _sort_key(err: Any) -> str:
-    return ".".join(map(str, err["loc"])) if err["type"] == "extra_forbidden" else ""
-
-
-# ---------------------------------------------------------------------------------------
-# Logging
+    errors.sort(
+        key=lambda err: (
+            err["type"] != "extra_forbidden",
+            ".".join(map(str, err["loc"])) if err["type"] == "extra_forbidden" else "",
+        )
+    )
+    return "\n".join(dict.fromkeys(_describe(err, names, where) for err in errors))
 
 
 def effective(config: HybridKVConfig) -> dict[str, Any]:
     """The configuration as it applies, for logging once at start: every key (tiers as
-    the normalized list), sizes spelled in units, secrets masked (`integrity_key` as
-    "***", passwords in Redis URLs as ***). Apart from the masked secrets it is itself a
-    valid configuration."""
-    tiers = []
-    for tier in config.tiers:
-        entry = tier.model_dump()
-        for key in ("bytes", "queue_bytes", "max_entry_bytes"):
-            if key in entry:
-                entry[key] = format_size(entry[key])
-        if "mode" in entry:
-            entry["mode"] = f"0{entry['mode']:o}"
-        if "url" in entry:
-            entry["url"] = mask_url(entry["url"])
-        tiers.append(entry)
-    out: dict[str, Any] = {"tiers": tiers}
-    out.update(config.model_dump(exclude={"tiers", "integrity_key"}))
-    out["integrity_key"] = None if config.integrity_key is None else "***"
-    return out
+    the normalized list), sizes spelled in units, modes in octal, secrets masked
+    (`integrity_key` as "***", passwords in Redis URLs as ***). Apart from the masked
+    secrets it is itself a valid configuration."""
+    return config.model_dump(mode="json", by_alias=True)

@@ -37,6 +37,7 @@ from hybridkv.core.layout import GroupKind
 from hybridkv.core.planner import Planner
 from hybridkv.core.policy import CheckpointPolicy
 from hybridkv.core.probe import Probe
+from hybridkv.core.shared_tiers import warn_unprotected_tiers
 from hybridkv.core.store import TieredStore, redis_tier
 from hybridkv.vllm.layout import group_layer_pages, layout_from_vllm
 from hybridkv.vllm.metadata import HybridKVMetadata, HybridKVWorkerMeta
@@ -237,9 +238,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             if enabled:
                 check_load_failure_policy(vllm_config)
             log.info("hybridkv: settings %s", json.dumps(effective(self.config)))
+            warn_unprotected_tiers(self.config)  # once per engine: not per rank
             self._reporter = metrics.Reporter("scheduler")
             if self.config.metrics_port is not None:
-                self.metrics_server = start_metrics_server(vllm_config, self.config.metrics_port)
+                self.metrics_server = start_metrics_server(
+                    vllm_config, self.config.metrics_port, self.config.metrics_host
+                )
         else:
             # A CUDA cache copies to and from pinned host memory (full PCIe speed).
             pin = vllm_config.device_config.device_type == "cuda"

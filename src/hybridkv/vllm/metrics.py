@@ -235,7 +235,7 @@ class MetricsServer:
     any path) from the process of the scheduler side, on a registry of its own, for
     engines whose stats reach no vLLM server (offline `LLM`, stats logging off)."""
 
-    def __init__(self, vllm_config: VllmConfig, port: int):
+    def __init__(self, vllm_config: VllmConfig, port: int, host: str):
         registry = CollectorRegistry()
         types: dict[type[PromMetric], Any] = {
             kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
@@ -245,7 +245,7 @@ class MetricsServer:
             vllm_config, types, ["model_name", "engine"], {0: [model, "0"]}
         )
         self.port = port
-        self._server, self._thread = start_http_server(port, registry=registry)
+        self._server, self._thread = start_http_server(port, host, registry=registry)
 
     def observe(self, report: core.Report) -> None:
         self.metrics.observe(report)
@@ -255,15 +255,18 @@ class MetricsServer:
         self._server.server_close()
 
 
-def start_metrics_server(vllm_config: VllmConfig, port: int) -> MetricsServer | None:
-    """The server, or None with a warning when it cannot start (the port is taken):
-    metrics are not worth an engine."""
+def start_metrics_server(
+    vllm_config: VllmConfig, port: int, host: str = "127.0.0.1"
+) -> MetricsServer | None:
+    """The server on `host` (`metrics_host`: this machine alone unless told otherwise), or
+    None with a warning when it cannot start (the port is taken): metrics are not worth
+    an engine."""
     try:
-        server = MetricsServer(vllm_config, port)
+        server = MetricsServer(vllm_config, port, host)
     except Exception as e:
         log.warning(
             "hybridkv: metrics_port %d: cannot serve metrics (%s); serving on without", port, e
         )
         return None
-    log.info("hybridkv: metrics on http://0.0.0.0:%d/metrics", port)
+    log.info("hybridkv: metrics on http://%s:%d/metrics", host, port)
     return server
