@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import random
 import statistics
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,6 +21,39 @@ from hybridkv.core.copy_engine import CopyEngine
 from hybridkv.core.planner import EntryCopy
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def random_prompts(n: int, tokens: int, seed: int = 27) -> list[list[int]]:
+    """`n` prompts of `tokens` token ids drawn from `seed`: new to every cache."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 2000) for _ in range(tokens)] for _ in range(n)]
+
+
+@contextlib.contextmanager
+def engine_with_redis(disk: bool = False, **llm_kwargs: Any) -> Iterator[tuple[Any, Any]]:
+    """A tiny Qwen3-Next engine in this process with hybridkv (1 GiB of CPU memory, a
+    disk tier with `disk`) and a Redis tier on its own `redis-server` (allkeys-lru,
+    tests/redis_servers.py): (the `LLM`, the server); all of it gone afterwards."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+    from redis_servers import redis_server
+
+    from hybridkv.engine import make_llm, shutdown
+    from hybridkv.models import make_model
+
+    with (
+        tempfile.TemporaryDirectory(prefix="hybridkv-bench-") as tmp,
+        redis_server("--maxmemory-policy", "allkeys-lru") as server,
+    ):
+        model = str(make_model("qwen3-next", Path(tmp) / "model", size="tiny"))
+        extra = {"cpu_bytes": "1GiB", "redis_url": server.url}
+        if disk:
+            extra["disk_path"] = str(Path(tmp) / "disk")
+        llm = make_llm(model, extra, **llm_kwargs)
+        try:
+            yield llm, server
+        finally:
+            shutdown(llm)
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:

@@ -62,7 +62,6 @@ def case(url: str, nbytes: int, batch: int, max_entry_bytes: int, repeats: int) 
         assert all(v is not None for v in pipe.execute())
 
     t = interleaved({"tier": tier_load, "raw": raw_load}, repeats)
-    tier.clear()
     tier.close()
     raw.close()
     payload = nbytes * batch

@@ -6,7 +6,8 @@ generation, the scheduler side's snapshot and, when the worker runs in this proc
 its tier stats.
 Steps: {"op": "generate", "name", "prompt", "max_tokens"?, "fresh"?} (fresh: empty vLLM's
 own prefix cache and hybridkv's CPU tier first, so only the disk can serve a hit; with
-the worker in this process only), {"op": "reset"} (empty vLLM's own prefix cache only),
+the worker in this process only), {"op": "reset", "connector"?} (empty vLLM's own prefix
+cache only; with "connector": true hybridkv's too, as after new weights),
 {"op": "flush"}, {"op": "touch", "path"}, {"op": "wait", "path", "timeout"?},
 {"op": "limit_file_size", "bytes"}.
 
@@ -61,7 +62,7 @@ def main() -> None:
             out = generate(llm, [step["prompt"]], step.get("max_tokens", 8))[0]
             runs[step["name"]] = dataclasses.asdict(out)
         elif op == "reset":
-            llm.reset_prefix_cache()
+            llm.reset_prefix_cache(reset_connector=step.get("connector", False))
         elif op == "limit_file_size":  # a full disk from here on (also for child processes)
             resource.setrlimit(resource.RLIMIT_FSIZE, (step["bytes"], step["bytes"]))
         elif op == "flush":

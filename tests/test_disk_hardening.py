@@ -331,6 +331,7 @@ def test_file_removed_between_lookup_and_read(make_tier):
     put_all(writer, {key(1): payload(1, NBYTES)})
     assert reader.contains(key(1))
     writer.delete(key(1))
+    writer.flush()  # a writer thread unlinks the file
     assert reader.get(key(1)) is None
     s = reader.stats()
     assert (s.misses, s.corrupt, s.errors, s.entries) == (1, 0, 0, 0)
@@ -345,6 +346,7 @@ def test_clear_removes_only_files_this_tier_wrote(make_tier):
     reader.clear()  # wrote nothing: removes nothing
     assert set(kv_sizes(mine.dir)) == {key(i) for i in range(4)}
     mine.clear()
+    mine.flush()  # a writer thread unlinks the files
     assert set(kv_sizes(mine.dir)) == {key(2), key(3)}
     assert_entry(theirs.get(key(2)), payload(12, NBYTES))
     assert_entry(mine.get(key(3)), payload(13, NBYTES))

@@ -557,6 +557,7 @@ def test_budget_matches_a_reference_lru(make_tier, tmp_path, ops):
                     assert_entry(got, payload(i, nbytes[i]))
             else:
                 tier.delete(k)
+                tier.flush()  # a writer thread unlinks the file
                 model.delete(k)
             assert kv_sizes(tier.dir) == dict(model.sizes)
         s = tier.stats()
@@ -616,6 +617,8 @@ def test_delete_of_a_stored_entry(make_tier):
     put_all(tier, {key(1): payload(1, 10), key(2): payload(2, 10)})
     assert tier.delete(key(1))
     assert not tier.delete(key(1))
+    assert tier.get(key(1)) is None and not tier.contains(key(1))  # at once
+    tier.flush()  # a writer thread unlinks the file
     assert set(kv_sizes(tier.dir)) == {key(2)}
     assert_index_matches_disk(tier)
 

@@ -1,7 +1,8 @@
 """The shared Redis tier through real engines: what one engine process stores, another
 (its own CPU memory, no shared disk) restores with identical output; the load weights
 decide which lower tier serves a hit; a dead server costs hits, never requests or
-correctness; a damaged value is a counted miss; a Redis Cluster serves the same hit.
+correctness; a damaged value is a counted miss; a Redis Cluster serves the same hit; a
+reset on one replica leaves the others' hits.
 Real `redis-server` processes on loopback (tests/redis_servers.py)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import contextlib
 from collections.abc import Iterator
 
 import pytest
-from conftest import run_engine_proc, tokens
+from conftest import EngineProc, run_engine_proc, tokens
 from redis_servers import redis_cluster, redis_server, require_redis
 from test_engine_disk import PROMPT, gen, hit_tokens, same_output
 
@@ -133,3 +134,51 @@ def test_a_dead_redis_costs_hits_not_requests_and_damaged_values_are_misses(mode
     assert damaged["token_ids"] == c["runs"]["cold"]["token_ids"]
     assert d["snapshot"]["failed_promotions"] > 0
     assert d["stats"]["redis"]["corrupt"] > 0
+
+
+def test_a_reset_on_one_replica_leaves_the_shared_entries_to_the_others(model_dirs, tmp_path):
+    """Replicas share one Redis. C stores a prompt and exits. A stores another, then resets
+    its cache (`reset_prefix_cache(reset_connector=True)`, as after new weights) and
+    serves it again, while B runs beside it. The reset forgets A's own view only: A finds
+    its prompt in Redis again, and B restores both prompts from Redis with the output of
+    vLLM's own prefix hit in the replica that computed it."""
+    mine, theirs = tokens(PROMPT, seed=94), tokens(PROMPT, seed=95)
+    reset = tmp_path / "a_reset"
+    with redis_server() as server:
+        spec = {"model": model_dirs["qwen3-next"], "extra": redis_config(server.url)}
+        c = run_engine_proc(
+            {**spec, "steps": [gen("cold", theirs), gen("native", theirs), {"op": "flush"}]}
+        )
+        b = EngineProc(
+            {
+                **spec,
+                "steps": [
+                    {"op": "wait", "path": str(reset)},
+                    gen("theirs", theirs),
+                    gen("mine", mine),
+                ],
+            }
+        )
+        a = EngineProc(
+            {
+                **spec,
+                "steps": [
+                    gen("cold", mine),
+                    gen("native", mine),
+                    {"op": "flush"},
+                    {"op": "reset", "connector": True},
+                    gen("after_reset", mine),  # its workers clear in this request's first step
+                    {"op": "touch", "path": str(reset)},
+                ],
+            }
+        )
+        a_out, b_out = a.result(), b.result()
+    hit = hit_tokens(b_out["chunk_tokens"])
+    runs = b_out["runs"]
+    assert runs["theirs"]["num_cached_tokens"] == hit == runs["mine"]["num_cached_tokens"]
+    assert same_output(runs["theirs"], c["runs"]["native"])
+    assert same_output(runs["mine"], a_out["runs"]["native"])
+    assert b_out["snapshot"]["promoted_from"].get("redis", 0) > 0
+    after = a_out["runs"]["after_reset"]
+    assert after["num_cached_tokens"] == hit and same_output(after, a_out["runs"]["native"])
+    assert a_out["snapshot"]["promoted_from"].get("redis", 0) > 0

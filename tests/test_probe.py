@@ -1,6 +1,6 @@
-"""The shared-tier probe (core/probe.py): asks off the caller's thread, one round trip
-per batch, answers stay fresh for a while, a failed read or a raising tier is an
-absence."""
+"""The shared-tier probe (core/probe.py): asks off the caller's thread, every lookup of a
+step in one round trip, answers stay fresh for a while, a failed read or a raising tier
+is an absence."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from hybridkv.core.probe import Probe
 
 
 def wait_answered(probe: Probe, keys: list[bytes]) -> list[bytes]:
+    """Poll as the scheduler does: a lookup, then the step's `send`."""
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         held, asking = probe.held(keys)
         if not asking:
             return held
+        probe.send()
         time.sleep(0.005)
     raise AssertionError("the probe never answered")
 
@@ -32,7 +34,8 @@ def test_asks_in_the_background_once_and_answers_from_memory_after():
 
     probe = Probe("redis", contains_many, ttl_s=60)
     held, asking = probe.held([b"a", b"b", b"c"])
-    assert (held, asking) == ([], True)  # the caller is not held up by the round trip
+    assert (held, asking) == ([], True)
+    probe.send()  # the caller is not held up by the round trip
     gate.set()
     assert wait_answered(probe, [b"a", b"b", b"c"]) == [b"a", b"c"]
     assert probe.held([b"b", b"c"]) == ([b"c"], False)
@@ -57,4 +60,37 @@ def test_a_raising_tier_is_an_absence_not_an_error():
     probe = Probe("redis", broken, ttl_s=60)
     assert wait_answered(probe, [b"a"]) == []
     assert probe.errors == 1
+    probe.close()
+
+
+def test_every_lookup_of_a_step_goes_in_one_round_trip():
+    """32 lookups note their keys, the step's `send` asks about all of them at once; the
+    32 lookups of the next steps, noted while that round trip is out, go together in the
+    one right after it."""
+    entered, gate = threading.Event(), threading.Event()
+    calls: list[list[bytes]] = []
+
+    def contains_many(keys):
+        calls.append(list(keys))
+        entered.set()
+        gate.wait(5)
+        return [k.startswith(b"held") for k in keys]
+
+    probe = Probe("redis", contains_many, ttl_s=60)
+    first = [[b"held%d" % i, b"gone%d" % i] for i in range(32)]
+    later = [[b"held%d" % i, b"next%d" % i] for i in range(32, 64)]
+    for keys in first:
+        assert probe.held(keys) == ([], True)
+    probe.held(first[0])  # polled again: asks nothing twice
+    probe.send()
+    assert entered.wait(5)  # the round trip is out
+    for step in (later[:16], later[16:]):
+        for keys in step:
+            assert probe.held(keys) == ([], True)
+        probe.send()
+    gate.set()
+    assert wait_answered(probe, first[5]) == [b"held5"]
+    assert wait_answered(probe, later[-1]) == [b"held63"]
+    assert calls == [[k for ks in first for k in ks], [k for ks in later for k in ks]]
+    assert (probe.round_trips, probe.lookups) == (2, 64)
     probe.close()

@@ -207,8 +207,11 @@ def test_tiered_store_falls_through_tiers_in_order():
     assert store.contains(key(1)) and not store.contains(key(2))
     assert store.put(key(5), entry(10))
     assert fast.contains(key(5)) and slow.contains(key(5))  # puts write through
-    store.delete(key(0))
-    assert not fast.contains(key(0)) and not slow.contains(key(0))
+    staged = entry(10, fill=4)
+    assert store.put(key(6), staged, below=False)  # a staged state: CPU memory only
+    assert fast.contains(key(6)) and not slow.contains(key(6))
+    store.persist(key(6), staged)  # its request finished: written down
+    assert slow.get(key(6)) is staged
     store.clear()
     assert fast.stats().entries == slow.stats().entries == 0
 

@@ -107,6 +107,25 @@ def test_orders_given_while_landing_apply_when_it_lands(worker):
     assert cpu.contains(b"c") and below.contains(b"c")
 
 
+def test_a_staged_state_stays_in_cpu_memory_until_its_request_finishes(worker):
+    """A staged decode-time state goes into CPU memory only; `persist` (its request has
+    finished) writes it below, also while its copy is still landing."""
+    ws, _, held = worker
+    staged = [
+        KeyedCopy(b"s", EntryCopy(0, 0, (0,), (1,)), below=False),
+        KeyedCopy(b"t", EntryCopy(0, 1, (0,), (2,)), below=False),
+    ]
+    ws.end_step(HybridKVMetadata(stores=[RequestStore("r", staged)]))
+    ws.end_step(HybridKVMetadata(orders=Orders(persist=[b"s"])))  # finished while landing
+    held[0].land()
+    ws.report()
+    cpu, below = ws.store.tiers
+    assert cpu.contains(b"s") and below.contains(b"s")
+    assert cpu.contains(b"t") and not below.contains(b"t")
+    ws.end_step(HybridKVMetadata(orders=Orders(persist=[b"t"])))
+    assert cpu.contains(b"t") and below.contains(b"t")
+
+
 def test_clear_drops_stores_in_flight_but_holds_their_memory_until_they_land(worker):
     ws, _, held = worker
     ws.end_step(store_meta((b"a", 1)))

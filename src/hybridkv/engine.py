@@ -118,10 +118,16 @@ def worker_connector():
 
 
 def sync_tiers(llm) -> None:
-    """Wait for the worker's queued disk writes, rescan its disk (entries other engines
+    """Run the step that tells the workers which requests finished, if one is owed (an
+    engine's own loop runs it at once, an idle in-process `LLM` only at its next
+    generate: a finished request's last decode-time state goes down to the lower tiers
+    in it), wait for the worker's queued writes, rescan its disk (entries other engines
     wrote) and hand its report to the scheduler side at once, rather than after the next
     steps (in-process engine only): tests and benchmarks then see every entry where it
     will be."""
+    core = llm.llm_engine.engine_core.engine_core
+    if core.scheduler.has_finished_requests() and not core.scheduler.has_unfinished_requests():
+        core.step_fn()
     side = scheduler_connector(llm).scheduler_side
     worker = worker_connector().worker_side
     worker.store.flush()

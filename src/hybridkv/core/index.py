@@ -95,7 +95,11 @@ class Orders:
     """What the workers must do to follow the index, gathered until the next step."""
 
     evict: list[bytes] = field(default_factory=list)  # drop from CPU memory only
-    delete: list[bytes] = field(default_factory=list)  # drop from every tier
+    # Drop from CPU memory, written to no tier below: worth nothing (a staged state replaced).
+    delete: list[bytes] = field(default_factory=list)
+    # Write to the lower tiers what CPU memory alone held so far (a finished request's last
+    # decode-time state), as a store would have.
+    persist: list[bytes] = field(default_factory=list)
     # (key, tier): read from that tier into CPU memory
     promote: list[tuple[bytes, str]] = field(default_factory=list)
     clear: bool = False  # drop everything this engine stored (before the rest)
@@ -502,13 +506,18 @@ class StoreIndex:
                         self._loose[key] = None
 
     def delete(self, key: bytes) -> None:
-        """Forget the entry everywhere and have the workers delete it; a pinned entry (a
-        pending hit reads it) stays."""
+        """Forget an entry worth nothing any more (a decode-time state its request staged,
+        then replaced): the workers drop it from CPU memory, and no tier below ever had
+        it. A pinned entry (a pending hit reads it) stays."""
         if self._pins[key] > 0:
             return
         self._drop_cpu(key)
-        self._disk.pop(key, None)
         self.orders.delete.append(key)
+
+    def persist(self, keys: Iterable[bytes]) -> None:
+        """Have the workers write entries CPU memory alone held (a finished request's last
+        decode-time state) to the lower tiers."""
+        self.orders.persist.extend(k for k in keys if k in self._cpu)
 
     # ---- promotions -----------------------------------------------------------------------
     def promote(self, key: bytes, nbytes: int, tier: str = "disk") -> bool:

@@ -1,12 +1,15 @@
-"""Which keys a shared tier holds, asked off the scheduler thread.
+"""Which keys a shared tier holds, asked off the scheduler thread, for every lookup at once.
 
 Other replicas write to a shared tier (Redis), so no worker report can tell the
 scheduler side what it holds: it has to ask. Asking takes a network round trip, which
-must never hold up a scheduling step, so a `Probe` asks in one background thread (one
-pipelined round trip for all keys of a lookup) and the lookup answers "ask again" until
-the answer is in. Answers stay fresh for `ttl_s`: a lookup polled every step, or the next
-request of a conversation, does not ask again; an entry another replica stores later is
-found once the answer lapses. A tier that is down answers "absent" at once.
+must never hold up a scheduling step, so a `Probe` asks in one background thread and the
+lookup answers "ask again" until the answer is in. The lookups of a step only note the
+keys they need (`held`); the scheduler side then sends them all in one pipelined round
+trip (`send`, once per step): N new prompts wait for one round trip, not N. Keys noted
+while a round trip is out go in the next, right after it. Answers stay fresh for
+`ttl_s`: a lookup polled every step, or the next request of a conversation, does not
+ask again; an entry another replica stores later is found once the answer lapses. A
+tier that is down answers "absent" at once.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 
@@ -32,48 +35,88 @@ class Probe:
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._answers: dict[bytes, tuple[bool, float]] = {}  # key -> (held, good until)
+        self._wanted: dict[bytes, None] = {}  # keys with no fresh answer, for the next ask
+        self._asking: set[bytes] = set()  # keys of the round trip out
+        self._waiting = 0  # lookups whose keys are in `_wanted`
+        self._sending = False  # a round trip is out (or about to be)
+        self._again = False  # `send` was called meanwhile: ask again right after
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"hybridkv-probe-{name}")
-        self._running: Future | None = None
         self.round_trips = 0
+        self.lookups = 0  # lookups whose keys went out, over all round trips
         self.errors = 0
 
     def held(self, keys: Sequence[bytes]) -> tuple[list[bytes], bool]:
         """The keys the tier holds as far as fresh answers go, and whether some of
-        `keys` have none (a probe for them is then under way)."""
+        `keys` have none: those join the next round trip (`send`)."""
         now = time.monotonic()
-        held, unknown = [], []
+        held, unknown, new = [], False, False
         with self._lock:
             for key in keys:
                 answer = self._answers.get(key)
                 if answer is None or answer[1] <= now:
-                    unknown.append(key)
+                    unknown = True
+                    if key not in self._asking and key not in self._wanted:
+                        self._wanted[key] = None
+                        new = True
                 elif answer[0]:
                     held.append(key)
-            if unknown and (self._running is None or self._running.done()):
-                self._running = self._pool.submit(self._ask, unknown)
-        return held, bool(unknown)
+            self._waiting += int(new)
+        return held, unknown
 
-    def _ask(self, keys: list[bytes]) -> None:
-        try:
-            found = self._contains_many(keys)
-        except Exception:  # a tier must never raise into the engine; count it as absent
-            log.exception("hybridkv: probing the %s tier failed", self.name)
-            self.errors += 1
-            found = [False] * len(keys)
-        until = time.monotonic() + self.ttl_s
+    def send(self) -> None:
+        """Ask about every key the lookups have noted, in one round trip in the
+        background; with one out already, right after it."""
         with self._lock:
-            self.round_trips += 1
-            now = time.monotonic()
-            for key in [k for k, (_, t) in self._answers.items() if t <= now]:
-                del self._answers[key]
-            for key, present in zip(keys, found, strict=True):
-                self._answers[key] = (present, until)
+            if not self._wanted:
+                return
+            if self._sending:
+                self._again = True
+                return
+            self._sending = True
+        try:
+            self._pool.submit(self._ask)
+        except RuntimeError:  # closed: the engine is shutting down
+            with self._lock:
+                self._sending = False
+
+    def _ask(self) -> None:
+        while True:
+            with self._lock:
+                keys, self._wanted = list(self._wanted), {}
+                lookups, self._waiting = self._waiting, 0
+                self._asking = set(keys)
+                self._again = False
+            try:
+                found = self._contains_many(keys)
+            except Exception:  # a tier must never raise into the engine; count it as absent
+                log.exception("hybridkv: probing the %s tier failed", self.name)
+                self.errors += 1
+                found = [False] * len(keys)
+            until = time.monotonic() + self.ttl_s
+            with self._lock:
+                self.round_trips += 1
+                self.lookups += lookups
+                now = time.monotonic()
+                for key in [k for k, (_, t) in self._answers.items() if t <= now]:
+                    del self._answers[key]
+                for key, present in zip(keys, found, strict=True):
+                    self._answers[key] = (present, until)
+                self._asking = set()
+                if not (self._again and self._wanted):
+                    self._sending = False
+                    return
 
     def failed(self, key: bytes) -> None:
         """A read of `key` failed (damaged, gone): treat it as absent until the answer
         would have lapsed, rather than have the lookup retry it every step."""
         with self._lock:
             self._answers[key] = (False, time.monotonic() + self.ttl_s)
+
+    def clear(self) -> None:
+        """Forget every answer (a reset of the engine's view): the next lookups ask anew,
+        and find what the tier holds now, their own engine's stores included."""
+        with self._lock:
+            self._answers.clear()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

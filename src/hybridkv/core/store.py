@@ -150,12 +150,20 @@ class TieredStore:
     def _below(self, *policies: str) -> list[Tier]:
         return [t for t in self.tiers[1:] if self.policies[t.name] in policies]
 
-    def put(self, key: bytes, entry: torch.Tensor, cpu: bool = True) -> bool:
+    def put(self, key: bytes, entry: torch.Tensor, cpu: bool = True, below: bool = True) -> bool:
         """Store in CPU memory and the `always` tiers; without `cpu` (no room there), in
-        the `on_evict` tiers as well, as if evicted at once. True if any took it."""
-        below = self._below("always") if cpu else self._below("always", "on_evict")
-        stored = [self._put(t, key, entry) for t in ([self.cpu] if cpu else []) + below]
-        return any(stored)
+        the `on_evict` tiers as well, as if evicted at once; without `below`, in CPU
+        memory only (a staged decode-time state: `persist` writes it down later). True
+        if any took it."""
+        lower = self._below("always") if cpu else self._below("always", "on_evict")
+        tiers = ([self.cpu] if cpu else []) + (lower if below else [])
+        return any([self._put(t, key, entry) for t in tiers])
+
+    def persist(self, key: bytes, entry: torch.Tensor) -> None:
+        """An entry CPU memory alone held so far: the `always` tiers take it now, as a
+        store would have (the `on_evict` ones take it when CPU memory evicts it)."""
+        for t in self._below("always"):
+            self._put(t, key, entry)
 
     @property
     def evicts_below(self) -> bool:
@@ -176,10 +184,6 @@ class TieredStore:
             if self.policies[t.name] == "always":
                 self._put(t, key, entry)
         return self._put(self.cpu, key, entry)
-
-    def delete(self, key: bytes) -> None:
-        for t in self.tiers:
-            t.delete(key)
 
     def clear(self) -> None:
         for t in self.tiers:

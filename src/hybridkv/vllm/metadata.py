@@ -18,6 +18,9 @@ class KeyedCopy:
     key: bytes  # tier key of the entry (chunk key + group id)
     copy: EntryCopy
     cpu: bool = True  # a store: into CPU memory too (False: the index had no room)
+    # A store: into the lower tiers too (False: a staged decode-time state, in CPU memory
+    # only until its request finishes; then `Orders.persist` writes it down).
+    below: bool = True
 
 
 @dataclass
@@ -45,12 +48,13 @@ class TaggedCopy:
 
 @dataclass(frozen=True)
 class TagName:
-    """The fate of a tagged entry: stored under `key` (into CPU memory too if `cpu`), or
-    dropped (`key` None)."""
+    """The fate of a tagged entry: stored under `key` (into CPU memory too if `cpu`, into
+    the lower tiers too if `below`: see `KeyedCopy`), or dropped (`key` None)."""
 
     tag: int
     key: bytes | None
     cpu: bool = True
+    below: bool = True
 
 
 @dataclass

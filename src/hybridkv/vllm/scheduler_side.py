@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from hybridkv.core.index import StoreIndex, WorkerReport
@@ -112,7 +112,8 @@ class _RequestState:
     waited_at: int = -1  # vLLM's own hit when it last waited for promotions
     pins: list[bytes] = field(default_factory=list)  # entries its hit or wait needs
     waiting_since: float | None = None  # first "ask again" of this wait
-    staged: list[bytes] = field(default_factory=list)  # its newest decode-time state
+    # Its newest decode-time state: pinned, in CPU memory only until it finishes.
+    staged: list[bytes] = field(default_factory=list)
     load_failed: bool = False  # vLLM recomputes it: no more hits for it
     tagged: list[_Tagged] = field(default_factory=list)  # gathered, not named yet
     drafted: bool = False  # has had speculative tokens: keyed on known tokens only
@@ -296,7 +297,8 @@ class SchedulerSide:
     def _probe(self, keys: list[bytes], local_tokens: int, num_prompt_tokens: int) -> bool:
         """Ask the shared tier about the prompt's entries CPU memory does not hold and
         no fresh answer covers (those on disk too: the load weights choose between the
-        tiers); whether an answer is still out (the lookup then waits for it)."""
+        tiers); whether an answer is still out (the lookup then waits for it). The keys
+        of every lookup of the step go out together, in one round trip (`build_meta`)."""
         C = self.planner.chunk_tokens
         chunks = range(
             local_tokens // C, min(len(keys), self.planner.max_hit_chunks(num_prompt_tokens))
@@ -443,6 +445,8 @@ class SchedulerSide:
         self._load_pins = []
         meta.epoch = self.index.epoch
         meta.orders = self.index.take_orders()
+        if self.probe is not None:
+            self.probe.send()  # what this step's lookups asked about, in one round trip
         try:
             self._maybe_log_stats()
         except Exception:
@@ -519,18 +523,43 @@ class SchedulerSide:
         return int(req.num_output_placeholders == 1 and not st.drafted)
 
     def _name(self, st: _RequestState, copies: list[tuple[EntryCopy, bool]]) -> list[KeyedCopy]:
-        """Key copies whose tokens are all known; the ones admitted (see `_admit`). The
-        staged states admitted replace those the request staged before."""
+        """Key copies whose tokens are all known; the ones admitted (see `_admit`) or
+        staged (`_stage`)."""
         if not copies:
             return []
         keys = self._keys(st, (max(c.chunk for c, _ in copies) + 1) * self.planner.chunk_tokens)
         stored = self._admit(st, keys, _keyed(keys, [c for c, staged in copies if not staged]))
-        staged = self._admit(st, keys, _keyed(keys, [c for c, staged in copies if staged]))
-        if staged:  # the newest state replaces the one staged before
-            for key in st.staged:
-                self.index.delete(key)
-            st.staged = [kc.key for kc in staged]
+        staged = self._stage(st, keys, _keyed(keys, [c for c, staged in copies if staged]))
         return stored + staged
+
+    def _stage(
+        self, st: _RequestState, keys: list[bytes], copies: list[KeyedCopy]
+    ) -> list[KeyedCopy]:
+        """Stage the newest of the decode-time states in `copies` (one boundary's): kept
+        in CPU memory only and pinned until the request finishes, when it goes down to
+        the lower tiers (`request_finished`). It replaces the state staged before, which
+        leaves CPU memory and is never written below: a long decode crosses a boundary
+        every `chunk_tokens` tokens, and writing each state through to a shared tier only
+        to delete it at the next was nearly all its writes. A state held already (in a
+        lower tier too) replaces it as well, unless it is the one staged (planned twice);
+        one CPU memory has no room for is not stored, and the one before stays staged."""
+        if not copies:
+            return []
+        last = max(kc.copy.chunk for kc in copies)
+        newest = [kc for kc in copies if kc.copy.chunk == last]
+        if any(kc.key in st.staged for kc in newest):
+            return []
+        admitted: list[KeyedCopy] = []
+        if not all(self.index.known(kc.key) for kc in newest):
+            admitted = self._admit(st, keys, newest, spill=False)
+            if not admitted:
+                return []
+        self.index.unpin(st.staged)
+        for key in st.staged:
+            self.index.delete(key)
+        st.staged = [kc.key for kc in admitted]
+        self.index.pin(st.staged)
+        return [replace(kc, below=False) for kc in admitted]
 
     def _tag(
         self, st: _RequestState, copies: list[tuple[int, EntryCopy, bool]]
@@ -568,7 +597,7 @@ class SchedulerSide:
         }
         for t in ready:
             kc = keyed.get((t.copy.group, t.copy.chunk))
-            names.append(TagName(t.tag, kc.key, kc.cpu) if kc else TagName(t.tag, None))
+            names.append(TagName(t.tag, kc.key, kc.cpu, kc.below) if kc else TagName(t.tag, None))
         st.tagged = waiting
         return names
 
@@ -616,12 +645,17 @@ class SchedulerSide:
         return running + sum(len(store.named) for _, store in self._settled)
 
     def _admit(
-        self, st: _RequestState, keys: list[bytes], copies: Iterable[KeyedCopy]
+        self,
+        st: _RequestState,
+        keys: list[bytes],
+        copies: Iterable[KeyedCopy],
+        spill: bool = True,
     ) -> list[KeyedCopy]:
         """The copies worth making: entries not held yet, each admitted to CPU memory
-        (evicting others) or, without room there, to the disk tier alone. With recurrent
-        groups a boundary's states are admitted together (see core/index.py), and the
-        attention chunks the request stores stay pinned until it finishes."""
+        (evicting others) or, without room there and with `spill`, to the lower tiers
+        alone. With recurrent groups a boundary's states are admitted together (see
+        core/index.py), and the attention chunks the request stores stay pinned until
+        it finishes."""
         out: list[KeyedCopy] = []
         boundaries: dict[int, list[KeyedCopy]] = {}
         for kc in copies:
@@ -634,12 +668,12 @@ class SchedulerSide:
                 if self.index.recurrent:
                     self.index.pin([kc.key])
                     st.owned.append(kc.key)
-            elif self.below:
+            elif spill and self.below:
                 out.append(KeyedCopy(kc.key, kc.copy, cpu=False))
         for chunk, states in boundaries.items():
             if self._admit_boundary(keys, (chunk + 1) * self.planner.chunk_tokens, states):
                 out += states
-            elif self.below:
+            elif spill and self.below:
                 out += [KeyedCopy(kc.key, kc.copy, cpu=False) for kc in states]
         return out
 
@@ -728,6 +762,7 @@ class SchedulerSide:
             "tagged_entries": self.pending_tags(),
             "promoted_from": dict(self.index.promoted_from),
             "probe_round_trips": self.probe.round_trips if self.probe else 0,
+            "probe_lookups": self.probe.lookups if self.probe else 0,
             "block_size_restores": self.split_guard.restores if self.split_guard else 0,
         }
 
@@ -772,9 +807,16 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
             self._pin(st, [])
-            self._finish_tagged(st)  # may store (and pin) its last chunks: first
+            self._finish_tagged(st)  # may store (and pin) its last chunks and state: first
             self.index.unpin(st.owned)
+            self.index.unpin(st.staged)
+            if self.below:  # its last decode-time state, in CPU memory only until now
+                self.index.persist(st.staged)
         return False
 
     def reset(self) -> None:
+        """Forget this engine's view: the index (the workers then drop what they stored,
+        but no other replica's entries in a shared tier) and the probe's answers."""
         self.index.clear()
+        if self.probe is not None:
+            self.probe.clear()

@@ -13,9 +13,11 @@ Each step (vLLM calls the hooks in this order):
    sure to be intact, into CPU memory and the disk queue once their bytes have landed
    (at once on a CPU cache; on a GPU the copy runs on a side stream and the entries wait
    in `_landing` until it is done, so the step never synchronizes), or kept under a tag
-   while their keys' tokens are not known yet (async scheduling); then evictions and
-   deletions (after the stores: an entry stored and evicted in one step ends up evicted,
-   as the index has it, also while it is still landing).
+   while their keys' tokens are not known yet (async scheduling); then what finished
+   requests staged in CPU memory alone goes down to the lower tiers, and evictions and
+   deletions follow (after the stores: an entry stored and evicted in one step ends up
+   evicted, as the index has it, also while it is still landing). Nothing here waits on
+   a lower tier: their writes and deletes are queued for their own threads.
 3. `report` (`build_connector_worker_meta`): promotions done, disk entries come and
    gone, entries lost; and `transfer_results`: the requests whose every entry has
    landed in its blocks.
@@ -34,6 +36,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -77,15 +80,25 @@ class WorkerStats:
     cpu_evictions: int = 0  # entries dropped from CPU memory on the index's orders
 
 
+class _Store(NamedTuple):
+    """An entry to hand to the tiers (None: its copy failed): into CPU memory if `cpu`,
+    into the lower tiers if `below` (see metadata.KeyedCopy)."""
+
+    key: bytes
+    entry: torch.Tensor | None
+    cpu: bool
+    below: bool
+
+
 @dataclass
 class _Landing:
-    """Stores whose bytes are still on their way from the GPU: (key, entry, into CPU
-    memory too) each, handed to the tiers once `landing` is done. `hold` keeps every
-    entry the copy writes (tagged ones and dropped ones too) until then: the host pool
-    hands a dropped entry's memory to the next one at once."""
+    """Stores whose bytes are still on their way from the GPU, handed to the tiers once
+    `landing` is done. `hold` keeps every entry the copy writes (tagged ones and dropped
+    ones too) until then: the host pool hands a dropped entry's memory to the next one
+    at once."""
 
     landing: Landing
-    items: list[tuple[bytes, torch.Tensor | None, bool]]
+    items: list[_Store]
     hold: list[torch.Tensor | None] = field(default_factory=list)
     started: float | None = None  # perf_counter() when a step's stores began (timed)
 
@@ -275,7 +288,7 @@ class WorkerSide:
         """The entries of a load from CPU memory, or from stores still landing (a load
         runs on the same stream as the store that copies them out, so after it)."""
         try:
-            landing = {k: e for p in self._landing for k, e, cpu in p.items if cpu}
+            landing = {s.key: s.entry for p in self._landing for s in p.items if s.cpu}
             entries = [
                 landing[kc.key] if kc.key in landing else self.store.cpu.get(kc.key)
                 for kc in copies
@@ -365,7 +378,10 @@ class WorkerSide:
             log.exception("hybridkv: storing a step failed; its entries are dropped")
             self.stats.failed_stores += 1
             entries, landing = [None] * (len(copies) + len(tagged)), None
-        items = [(kc.key, e, kc.cpu) for kc, e in zip(copies, entries[: len(copies)], strict=True)]
+        items = [
+            _Store(kc.key, e, kc.cpu, kc.below)
+            for kc, e in zip(copies, entries[: len(copies)], strict=True)
+        ]
         if landing is None:
             self._store(items)
             return
@@ -381,7 +397,8 @@ class WorkerSide:
                 for n in job.named:
                     entry, landing = self._staged.pop(n.tag, (None, None))
                     if n.key is not None:  # a name finding no entry reports it lost
-                        self._landing.append(_Landing(landing or LANDED, [(n.key, entry, n.cpu)]))
+                        item = _Store(n.key, entry, n.cpu, n.below)
+                        self._landing.append(_Landing(landing or LANDED, [item]))
             self._land()
         except Exception:
             log.exception("hybridkv: storing named entries failed")
@@ -401,7 +418,7 @@ class WorkerSide:
                 # every hook, and the index learns the CPU entries are not held.
                 log.exception("hybridkv: a store's copy failed; its entries are dropped")
                 self.stats.failed_stores += 1
-                pending.items = [(key, None, cpu) for key, _, cpu in pending.items]
+                pending.items = [s._replace(entry=None) for s in pending.items]
             self._landing.pop(0)
             self._store(pending.items)
             if pending.started is not None:
@@ -417,16 +434,16 @@ class WorkerSide:
         """Entries kept under a tag, waiting for their names."""
         return len(self._staged)
 
-    def _store(self, items: list[tuple[bytes, torch.Tensor | None, bool]]) -> None:
-        """Put (key, entry, into CPU memory too) into the tiers; an entry the index
-        counts in CPU memory that is missing or not taken is reported lost."""
+    def _store(self, items: list[_Store]) -> None:
+        """Put entries into the tiers; an entry the index counts in CPU memory that is
+        missing or not taken is reported lost."""
         lost = []
-        for key, entry, cpu in items:
-            stored = entry is not None and self._put(key, entry, cpu)
+        for s in items:
+            stored = s.entry is not None and self._put(s)
             if stored:
                 self.stats.stored_entries += 1
-            if cpu and not stored:
-                lost.append(key)
+            if s.cpu and not stored:
+                lost.append(s.key)
         if lost:
             with self._lock:
                 self._report.lost.extend(lost)
@@ -438,34 +455,41 @@ class WorkerSide:
             log.exception("hybridkv: keeping a promoted entry failed")
             return False
 
-    def _put(self, key: bytes, entry: torch.Tensor, cpu: bool) -> bool:
-        """Whether the CPU tier took the entry (or, for a disk-only store, any tier)."""
+    def _put(self, s: _Store) -> bool:
+        """Whether the CPU tier took the entry (or, for a store below it only, any tier)."""
+        assert s.entry is not None
         try:
             with self._lock:
-                stored = self.store.put(key, entry, cpu)
-                return self.store.cpu.contains(key) if cpu else stored
+                stored = self.store.put(s.key, s.entry, s.cpu, s.below)
+                return self.store.cpu.contains(s.key) if s.cpu else stored
         except Exception:
             log.exception("hybridkv: storing an entry failed")
             return False
 
     def follow(self, orders: Orders) -> None:
-        """Evict and delete; a store still landing is redirected (below CPU memory only)
-        or dropped, as if it had landed first."""
-        evict, delete = set(orders.evict), set(orders.delete)
+        """Write down what CPU memory alone held (`persist`), then evict and delete (from
+        CPU memory only: the lower tiers are shared, and a deleted entry never reached
+        them); a store still landing is redirected or dropped, as if it had landed first.
+        Nothing waits on a lower tier: they queue their writes."""
+        persist, evict, delete = set(orders.persist), set(orders.evict), set(orders.delete)
         for pending in self._landing:
             pending.items = [
-                (key, e, cpu and key not in evict)
-                for key, e, cpu in pending.items
-                if key not in delete
+                s._replace(cpu=s.cpu and s.key not in evict, below=s.below or s.key in persist)
+                for s in pending.items
+                if s.key not in delete
             ]
         with self._lock:
+            for key in orders.persist:
+                entry = self.store.cpu.get(key)
+                if entry is not None:
+                    self.store.persist(key, entry)
             for key in orders.evict:
                 entry = self.store.cpu.get(key) if self.store.evicts_below else None
                 self.stats.cpu_evictions += int(self.store.cpu.delete(key))
                 if entry is not None:
                     self.store.evicted(key, entry)
             for key in orders.delete:
-                self.store.delete(key)
+                self.store.cpu.delete(key)
 
     # ---- 3. reports ---------------------------------------------------------------------------
     def report(self) -> WorkerReport:

@@ -12,6 +12,15 @@ process or the disk does may make a method raise (it would crash the engine). Ev
 public method turns a fault into a logged (once per reason), counted miss or False
 (tiers/queued.py, which the Redis tier shares), and the directory is treated as
 untrusted (tiers/files.py, and the MAC of entry_file.py).
+
+Nothing slow runs on the caller's thread, which is the engine's (the model runner's, in
+`wait_for_save` and `start_load_kv`): `delete` and `clear` only forget the entries and
+hand their files to the writer threads, and budget evictions unlink outside the lock
+that `put` takes. A file handed over is *doomed*: reads miss it at once, and a rename of
+a new file under its name supersedes the doom, so an entry deleted then stored again
+ends stored, whichever thread gets there first (a rename waits while its name is being
+unlinked). A rescan builds its index outside the lock and swaps it in, replaying what
+changed meanwhile.
 """
 
 from __future__ import annotations
@@ -26,8 +35,8 @@ import stat
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -136,46 +145,57 @@ def discard(path: str | os.PathLike, file_id: tuple[int, int] | None = None) -> 
 class _JournaledIndex(OrderedDict[bytes, int]):
     """The tier's index (key -> file bytes, least recently used first) that also notes
     which keys came and went, once someone watches (`DiskTier.take_changes`): the worker
-    reports them to the scheduler side, which plans hits around what is on disk."""
+    reports them to the scheduler side, which plans hits around what is on disk.
+
+    While a rescan builds the next index outside the tier's lock, `log` holds the latest
+    size (None: gone) of every key changed meanwhile, for the rescan to replay on what it
+    found; once the new index is swapped in, `noted` holds the keys it noted since, until
+    the rescan has journaled the difference between the two (`DiskTier._journal_swap`)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         self.changes: list[tuple[bytes, bool]] | None = None
+        self.log: dict[bytes, int | None] | None = None
+        self.noted: set[bytes] | None = None
         super().__init__(*args, **kwargs)
 
     def _note(self, key: bytes, present: bool) -> None:
         if self.changes is not None:
             self.changes.append((key, present))
+        if self.noted is not None:
+            self.noted.add(key)
+
+    def _log(self, key: bytes, size: int | None) -> None:
+        if self.log is not None:
+            self.log[key] = size
 
     def __setitem__(self, key: bytes, size: int) -> None:
         if key not in self:
             self._note(key, True)
         super().__setitem__(key, size)
+        self._log(key, size)
 
     def __delitem__(self, key: bytes) -> None:
         super().__delitem__(key)
         self._note(key, False)
+        self._log(key, None)
 
     def pop(self, key: bytes, *default: Any) -> Any:
         present = key in self
         value = super().pop(key, *default)
         if present:
             self._note(key, False)
+        self._log(key, None)
         return value
 
     def popitem(self, last: bool = True) -> tuple[bytes, int]:
         key, size = super().popitem(last)
         self._note(key, False)
+        self._log(key, None)
         return key, size
 
-    def replace(self, found: list[tuple[bytes, int]]) -> _JournaledIndex:
-        """A new index of `found` (oldest first), watched like this one, with the
-        difference noted."""
-        new = _JournaledIndex(found)
-        if self.changes is not None:
-            new.changes = self.changes
-            new.changes.extend((k, False) for k in self.keys() - new.keys())
-            new.changes.extend((k, True) for k in new.keys() - self.keys())
-        return new
+    def move_to_end(self, key: bytes, last: bool = True) -> None:
+        super().move_to_end(key, last)
+        self._log(key, self[key])
 
 
 class DiskTier(QueuedTier):
@@ -233,9 +253,17 @@ class DiskTier(QueuedTier):
         # (st_dev, st_ino): absent for contains() and the index until replaced, so that
         # this engine stores the entry again rather than skip it as stored.
         self._kept: dict[bytes, tuple[int, int]] = {}
+        # Files handed to a writer thread to unlink, key -> (st_dev, st_ino) of the very
+        # file (None: whatever file holds the name); a rename under the name supersedes
+        # it. Keys being unlinked right now are in `_unlinking`: a rename of one waits
+        # (`_unlinked`), so that no unlink removes the newer file.
+        self._doomed: dict[bytes, tuple[int, int] | None] = {}
+        self._unlinking: Counter[bytes] = Counter()
+        self._unlinked = threading.Condition(self._lock)
         self.leftovers_removed = 0
         self._last_scan = 0.0
         self._scanning = False
+        self._scan_lock = threading.Lock()  # one rescan at a time
         self.usable = self._prepare()
         self.writable = self.usable and self._probe_writable()
         # Whether reads bypass the page cache: asked for, and the filesystem serves them.
@@ -328,7 +356,49 @@ class DiskTier(QueuedTier):
         The directory is the truth: other processes add and evict entries, and a restart
         starts from what is on disk. Temporary files of dead writers are removed here.
         Only regular files count; links and anything else under an entry name are ignored.
+
+        Only the swap holds the tier's lock: the directory is read and the new index
+        built without it (an engine's `put` never waits for a scan of 100k files), what
+        changed in the meantime (the old index logs it) is replayed onto the new one,
+        and the difference is journaled and the files over budget unlinked after it.
         """
+        with self._scan_lock:
+            with self._lock:
+                self._index.log = {}
+            try:
+                found, kept = self._scan()
+                new = _JournaledIndex((key, size) for _, key, size in found)
+                keys = set(new)
+                used = sum(size for _, _, size in found)
+            except BaseException:
+                with self._lock:
+                    self._index.log = None
+                raise
+            with self._lock:
+                old = self._index
+                log, old.log = old.log or {}, None
+                # What changed while the directory was read; files handed to an unlink.
+                for key, size in log.items():
+                    used -= new.pop(key, 0)
+                    keys.discard(key)
+                    if size is not None:
+                        new[key] = size
+                        used += size
+                        keys.add(key)
+                for key in self._doomed.keys() | self._unlinking.keys():
+                    used -= new.pop(key, 0)
+                    keys.discard(key)
+                new.changes, new.noted = old.changes, set()
+                self._index, self._used = new, used
+                self._kept = {**kept, **{k: v for k, v in self._kept.items() if k in log}}
+                self._last_scan = time.monotonic()
+                victims = self._evict_to(self.capacity)
+            self._journal_swap(old, new, keys)
+            self._unlink(victims)
+
+    def _scan(self) -> tuple[list[tuple[int, bytes, int]], dict[bytes, tuple[int, int]]]:
+        """The entry files in the directory, (mtime, key, bytes) oldest first, and the
+        unusable ones still kept (see `_kept`); removes leftover temporary files."""
         found: list[tuple[int, bytes, int]] = []
         kept: dict[bytes, tuple[int, int]] = {}
         now = time.time()
@@ -347,13 +417,22 @@ class DiskTier(QueuedTier):
             except (OSError, ValueError):
                 continue
         found.sort()
+        return found, kept
+
+    def _journal_swap(self, old: _JournaledIndex, new: _JournaledIndex, keys: set[bytes]) -> None:
+        """Journal the keys a rescan found come or gone: `keys` were the new index's when
+        it replaced `old`, which nobody changes any more, so the difference is taken
+        without the lock. A key noted since the swap has a newer note already."""
+        gone = old.keys() - keys
+        came = keys - old.keys()
         with self._lock:
-            self._index = self._index.replace([(key, size) for _, key, size in found])
-            self._used = sum(size for _, _, size in found)
-            self._written = {k: v for k, v in self._written.items() if k in self._index}
-            self._kept = kept
-            self._last_scan = time.monotonic()
-            self._evict_to(self.capacity)
+            noted, new.noted = new.noted or set(), None
+            if new.changes is not None:
+                new.changes.extend((k, False) for k in gone if k not in noted)
+                new.changes.extend((k, True) for k in came if k not in noted)
+            for key in gone:
+                if key not in new:
+                    self._written.pop(key, None)
 
     def rescan_if_stale(self) -> None:
         """Start a rescan in the background when the last one is `rescan_seconds` old, so
@@ -397,6 +476,8 @@ class DiskTier(QueuedTier):
         with self._lock:
             if key in self._index or key in self._pending:
                 return True
+            if self._gone(key):
+                return False
         if not self.usable:
             return False
         try:  # another process may have written it
@@ -406,6 +487,8 @@ class DiskTier(QueuedTier):
         if not stat.S_ISREG(st.st_mode) or self._kept.get(key) == (st.st_dev, st.st_ino):
             return False
         with self._lock:
+            if self._gone(key):
+                return False
             if key not in self._index:
                 self._index[key] = st.st_size
                 self._used += st.st_size
@@ -416,7 +499,9 @@ class DiskTier(QueuedTier):
         queued = self._queued_hits([key])[0]
         if queued is not None:
             return queued
-        if not self.usable:
+        with self._lock:
+            gone = self._gone(key)
+        if gone or not self.usable:
             self._misses(1)
             return None
         path = self.path_of(key)
@@ -425,7 +510,8 @@ class DiskTier(QueuedTier):
                 path, self.fingerprint, key, direct=self.direct_io, **self._read_checks(key)
             )
         except FileNotFoundError:
-            self._forget(key)
+            with self._lock:
+                self._forget(key)
             self._misses(1)
             return None
         except EntryFileError as e:
@@ -468,28 +554,18 @@ class DiskTier(QueuedTier):
                 return False
             return self._enqueue(key, entry, size)
 
-    @never_raises(lambda self, key: False)
-    def delete(self, key: bytes) -> bool:
-        queued = self._cancel(key)
-        known = self._forget(key)
-        try:
-            os.unlink(self.path_of(key))
-            return True
-        except OSError:
-            return queued or known
-
     @never_raises()
     def clear(self) -> None:
-        """Drop queued writes and remove the files this tier wrote, each only while it is
-        still the file written (another writer may have replaced it since). Other
+        """Drop queued writes and forget the files this tier wrote; a writer thread
+        removes each only while it is still the file written (another writer may have
+        replaced it since) and no put after the clear has renamed a new one in. Other
         writers' entries in a shared directory stay: they are not this engine's to reset."""
         with self._lock:
             self._cancel_all()
             written, self._written = self._written, {}
             for key in written:
                 self._used -= self._index.pop(key, 0)
-        for key, file_id in written.items():
-            discard(self.path_of(key), file_id)
+            self._hand_over(written)
 
     @never_raises()
     def close(self) -> None:
@@ -522,13 +598,16 @@ class DiskTier(QueuedTier):
 
     # ---- internals ---------------------------------------------------------------------------
     def _forget(self, key: bytes) -> bool:
-        """Drop `key` from the index; whether it was there."""
-        with self._lock:
-            self._written.pop(key, None)
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used -= size
+        self._written.pop(key, None)
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._used -= size
         return size is not None
+
+    def _remove(self, key: bytes) -> bool:
+        """A writer thread unlinks whatever file holds the name (another engine's too):
+        a rename of a later put's file supersedes it."""
+        return self._hand_over({key: None})
 
     def _reject(self, key: bytes, path: Path, err: EntryFileError) -> None:
         """An unusable file: a counted miss. Removed only when no reader can use it, and
@@ -542,25 +621,75 @@ class DiskTier(QueuedTier):
             with self._lock:
                 self._kept[key] = err.file_id
 
-    def _evict_to(self, limit: int) -> None:
-        """Drop least recently used files until `limit` bytes are used. Holds the lock."""
+    def _evict_to(self, limit: int) -> list[bytes]:
+        """Drop least recently used files from the index until `limit` bytes are used;
+        their keys, doomed: the caller unlinks them (`_unlink`) once it has let go of the
+        lock. Holds the lock."""
+        victims = []
         while self._used > limit and self._index:
             key, size = self._index.popitem(last=False)
             self._used -= size
             self._written.pop(key, None)
             self._stats.evictions += 1
-            discard(self.path_of(key))
+            self._doom(key, None)
+            victims.append(key)
+        return victims
+
+    # ---- unlinks, off the caller's thread ------------------------------------------------------
+    def _gone(self, key: bytes) -> bool:
+        """Doomed or being unlinked: reads miss it. Holds the lock."""
+        return key in self._doomed or key in self._unlinking
+
+    def _doom(self, key: bytes, file_id: tuple[int, int] | None) -> None:
+        """Mark `key`'s file for an unlink: that very file, or with None whatever file
+        holds the name (the wider of two marks stays). Holds the lock."""
+        if key not in self._doomed or file_id is None:
+            self._doomed[key] = file_id
+
+    def _hand_over(self, files: dict[bytes, tuple[int, int] | None]) -> bool:
+        """Doom `files` (see `_doom`) and queue their unlink for a writer thread; False
+        for a tier without writers (read-only, closed), whose files stay. Holds the
+        lock."""
+        if not self._threads or self._closed:
+            return False
+        for key, file_id in files.items():
+            self._doom(key, file_id)
+        if files:
+            self._queue.put(list(files))
+        return True
+
+    def _unlink(self, keys: Iterable[bytes]) -> None:
+        """Unlink the files of `keys` that are still doomed (none renamed over since),
+        without holding the lock; a rename of one of them waits meanwhile."""
+        with self._lock:
+            todo = [(key, self._doomed.pop(key)) for key in keys if key in self._doomed]
+            self._unlinking.update(key for key, _ in todo)
+        try:
+            for key, file_id in todo:
+                discard(self.path_of(key), file_id)
+        finally:
+            with self._lock:
+                self._unlinking.subtract(key for key, _ in todo)
+                for key, _ in todo:
+                    if self._unlinking[key] <= 0:
+                        del self._unlinking[key]
+                self._unlinked.notify_all()
 
     def _writer(self) -> None:
+        """Take the queue in order: a key to write, or a list of keys to unlink."""
         lower_priority()
         while True:
-            key = self._queue.get()
+            item = self._queue.get()
             try:
-                if key is None:
+                if item is None:
                     return
-                self._write(key)
-                if time.monotonic() - self._last_scan > self.rescan_seconds:
-                    self.rescan()
+                if isinstance(item, list):
+                    self._unlink(item)
+                else:
+                    self._write(item)
+                self.rescan_if_stale()
+            except Exception as e:  # a writer thread must survive anything: flush() waits
+                self._fault("writer", e)
             finally:
                 self._queue.task_done()
 
@@ -584,6 +713,7 @@ class DiskTier(QueuedTier):
             return  # deleted while queued
         tmp = self._tmp_name(key.hex())
         dir_fd = created = None
+        victims: list[bytes] = []
         try:
             dir_fd = self._open_fanout(key)
             with os.fdopen(create_exclusive(tmp, self._file_mode, dir_fd), "wb") as f:
@@ -594,11 +724,14 @@ class DiskTier(QueuedTier):
                     os.fsync(f.fileno())
                 st = os.fstat(f.fileno())
             with self._lock:
+                while key in self._unlinking:  # an unlink of the old file: it goes first
+                    self._unlinked.wait()
                 if not self._unqueue(key, pending):
                     return  # deleted or cleared meanwhile: never resurrect it
-                self._evict_to(self.capacity - pending[1])
+                victims = self._evict_to(self.capacity - pending[1])
                 os.replace(tmp, self.path_of(key).name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 created = None
+                self._doomed.pop(key, None)  # the new file supersedes an unlink still queued
                 if key not in self._index:
                     self._used += pending[1]
                 self._index[key] = pending[1]
@@ -618,3 +751,4 @@ class DiskTier(QueuedTier):
                     os.unlink(created, dir_fd=dir_fd)
             if dir_fd is not None:
                 os.close(dir_fd)
+            self._unlink(victims)

@@ -11,6 +11,10 @@ the code keeps them from drifting apart:
   staying in the tiers above. Writer threads take the queue in order; until an entry is
   written, reads answer from the queue (a tier reads its own writes), and a delete or
   clear takes it off.
+- No delete or clear waits on the storage either: `delete` forgets the entry and queues
+  its removal for the writer threads, reads missing it meanwhile; a put of it after the
+  delete ends stored (each tier keeps that order, `_remove`). The engine calls both from
+  its model runner's thread.
 - Entries are entry files (entry_file.py): `put` accepts only what a file can hold, and
   a read is checked against the payload size the layout gives the key's group, under the
   tier's integrity key.
@@ -146,11 +150,11 @@ class QueuedTier(Tier):
         return True
 
     def _cancel(self, key: bytes) -> bool:
-        """Take `key`'s entry off the queue before it is written; whether it was queued."""
-        with self._lock:
-            pending = self._pending.pop(key, None)
-            if pending is not None:
-                self._pending_bytes -= pending[1]
+        """Take `key`'s entry off the queue before it is written; whether it was queued.
+        Holds the lock."""
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            self._pending_bytes -= pending[1]
         return pending is not None
 
     def _cancel_all(self) -> None:
@@ -170,10 +174,27 @@ class QueuedTier(Tier):
         for t in writers:
             t.join()
 
+    @never_raises(lambda self, key: False)
+    def delete(self, key: bytes) -> bool:
+        """Take the entry off the queue, forget it and queue its removal (`_remove`): the
+        caller never waits on the storage. Reads miss it from now on; a put of it after
+        this ends stored. Whether this tier held it (queued, or stored as far as it
+        knows and now being removed)."""
+        with self._lock:
+            queued = self._cancel(key)
+            return self._remove(key) and self._forget(key) or queued
+
+    @abstractmethod
+    def _remove(self, key: bytes) -> bool:
+        """Queue the removal of `key`'s stored entry for a writer thread, ordered before
+        any later put of it, reads missing it meanwhile; False if nothing can be removed
+        now (the entry stays). Holds the lock."""
+
     # ---- misses and faults --------------------------------------------------------------------
     @abstractmethod
-    def _forget(self, key: bytes) -> object:
-        """Stop counting `key` as stored (it was found missing or unusable)."""
+    def _forget(self, key: bytes) -> bool:
+        """Stop counting `key` as stored (found missing or unusable, or deleted); whether
+        it was. Holds the lock."""
 
     def _misses(self, n: int) -> list[torch.Tensor | None]:
         """Count `n` misses; their answers."""
@@ -192,8 +213,8 @@ class QueuedTier(Tier):
             err,
             " and removed" if err.damaged else ", left for the writer's readers",
         )
-        self._forget(key)
         with self._lock:
+            self._forget(key)
             self._stats.corrupt += 1
             self._stats.misses += 1
 

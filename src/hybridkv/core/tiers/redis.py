@@ -19,7 +19,18 @@ layout predicts (`entry_bytes` and `max_entry_bytes`); only an entry cut into sm
 parts than predicted costs a second one, for the parts still missing. `contains_many` is
 one pipeline of EXISTS. `put` queues the entry (bounded in bytes: a full queue drops the
 put, counted) and returns; a writer thread writes what has queued up as one pipeline of
-`SET … EX ttl_s` (a MULTI/EXEC on a standalone server).
+`SET … EX ttl_s` (a MULTI/EXEC on a standalone server). `delete` returns at once too: the
+writer UNLINKs the entry's parts in queue order (a put after the delete ends stored), and
+reads miss it meanwhile. No call of the engine's (its model runner calls `put` and
+`delete`, and `clear` at a reset) ever waits on the network but reads.
+
+Replicas share the entries, so this tier never removes another replica's: `clear` (vLLM's
+`reset_prefix_cache`) drops this process's queued writes and forgets what it stored, and
+leaves every entry in Redis. An entry's name says exactly what it was computed from (the
+tokens, cache salt, layout and model identity in its key and fingerprint), so a reset
+makes none of them wrong for anyone, and deleting them would cost every other replica
+its hits; Redis evicts them (`maxmemory-policy`, `ttl_s`). After weights change in place
+without a new model identity, use another `key_prefix`.
 
 Redis does the eviction, not this tier: give the server a bound and a policy that evicts,
 e.g. `maxmemory 64gb` and `maxmemory-policy allkeys-lru` (`volatile-lru` works with
@@ -51,8 +62,9 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -84,7 +96,6 @@ MAX_PARTS = 4096
 _WRITE_BATCH_BYTES = 64 << 20
 # Entries this process stored that `stats` counts (the most recent ones).
 _STORED_LIMIT = 1 << 18
-_CLEAR_BATCH = 1000
 # Errors that say the server (or the way to it) is unusable, not one value.
 _SERVER_FAULTS = (redis.RedisError, RedisClusterException, OSError)
 
@@ -102,6 +113,13 @@ def without_password(url: str) -> str:
 def glob_escape(text: str) -> str:
     """`text` matched literally in a SCAN pattern."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+@dataclass(frozen=True)
+class _Delete:
+    """A delete of `key`'s entry, queued for the writer."""
+
+    key: bytes
 
 
 class RedisTier(QueuedTier):
@@ -156,11 +174,11 @@ class RedisTier(QueuedTier):
         self._wake = threading.Condition(self._lock)  # the probe waits on it
         self._stored: OrderedDict[bytes, int] = OrderedDict()
         self._stored_bytes = 0
-        # The write queue (self._queue) takes keys (to write) and lists of names (to
-        # unlink), in order.
+        # The write queue (self._queue) takes keys (to write), `_Delete`s and lists of
+        # names (to unlink), in order. Deletes queued, by key, until done: reads miss them.
+        self._deleting: Counter[bytes] = Counter()
         self._run_ids: tuple[str, ...] | None = None
         self._up = False
-        self._clear_owed = False
         self._up_since = 0.0
         self._next_probe = 0.0
         self._connect()
@@ -198,7 +216,7 @@ class RedisTier(QueuedTier):
         """Whether each key has an entry (its first part), in one round trip."""
         with self._lock:
             out = [k in self._pending for k in keys]
-        todo = [i for i, known in enumerate(out) if not known]
+            todo = [i for i, held in enumerate(out) if not held and keys[i] not in self._deleting]
         if not todo or not self._up:
             return out
         pipe = self._pipeline()
@@ -209,7 +227,8 @@ class RedisTier(QueuedTier):
                 raise found
             out[i] = bool(found)
             if not found:
-                self._forget(keys[i])
+                with self._lock:
+                    self._forget(keys[i])
         return out
 
     def get(self, key: bytes) -> torch.Tensor | None:
@@ -218,11 +237,14 @@ class RedisTier(QueuedTier):
     @never_raises(lambda self, keys: self._misses(len(keys)))
     def get_many(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
         out = self._queued_hits(keys)
-        todo = [i for i, entry in enumerate(out) if entry is None]
-        if not todo:
-            return out
+        with self._lock:  # an entry being deleted is a miss
+            todo = [i for i, e in enumerate(out) if e is None and keys[i] not in self._deleting]
+        missed = sum(e is None for e in out) - len(todo)
         if not self._up:
-            self._misses(len(todo))
+            missed, todo = missed + len(todo), []
+        if missed:
+            self._misses(missed)
+        if not todo:
             return out
         pipe = self._pipeline()
         for i in todo:
@@ -247,53 +269,22 @@ class RedisTier(QueuedTier):
                 return False
             return self._enqueue(key, entry, size)
 
-    @never_raises(lambda self, key: False)
-    def delete(self, key: bytes) -> bool:
-        """Remove the entry (every part the first one's header counts): two round trips."""
-        queued = self._cancel(key)
-        if not self._up:
-            return queued
-        self._forget(key)
-        first = self.names(key)[0]
-        pipe = self._pipeline()
-        pipe.strlen(first)
-        pipe.getrange(first, 0, HEADER_BYTES - 1)
-        length, head = self._execute(pipe)
-        parts = self._parts_of(head, length) if isinstance(length, int) else 1
-        names = self.names(key, max(parts, self._parts_hint(key)))
-        pipe = self._pipeline()
-        pipe.execute_command("UNLINK", *names)  # one slot
-        (removed,) = self._execute(pipe)
-        if queued:
-            self._queue.put(names)  # after a write of it that may be under way
-        return (isinstance(removed, int) and removed > 0) or queued
+    def _remove(self, key: bytes) -> bool:
+        """The writer UNLINKs every part (as many as the first one's header counts), in
+        queue order; while down nothing is removed (Redis evicts the entry in time)."""
+        if not self._up or self._closed:
+            return False
+        self._deleting[key] += 1
+        self._queue.put(_Delete(key))
+        return True
 
     @never_raises()
     def clear(self) -> None:
-        """Drop queued writes and every entry of this layout under this prefix: all
-        replicas share them, and a reset (new weights, say) makes them all stale. While
-        down, the entries go when the tier comes back, before it serves any."""
+        """Drop queued writes and forget what this process stored; the entries in Redis
+        stay: every replica shares them (see the module docstring)."""
         with self._lock:
             self._cancel_all()
-            self._clear_owed = True
-        if self._up:
-            self._unlink_namespace()
-
-    def _unlink_namespace(self) -> None:
-        """UNLINK every name of this prefix and layout, found by SCAN, in batches."""
-        assert self._client is not None
-        batch: list[bytes] = []
-        pattern = glob_escape(self._namespace) + "*"
-        for name in self._client.scan_iter(match=pattern, count=_CLEAR_BATCH):
-            batch.append(name)
-            if len(batch) >= _CLEAR_BATCH:
-                self._client.unlink(*batch)
-                batch.clear()
-        if batch:
-            self._client.unlink(*batch)
-        with self._lock:
             self._forget_all()
-            self._clear_owed = False
 
     @never_raises()
     def close(self) -> None:
@@ -363,7 +354,8 @@ class RedisTier(QueuedTier):
         if isinstance(parts, Exception):
             raise parts
         if parts[0] is None:
-            self._forget(key)
+            with self._lock:
+                self._forget(key)
             self._misses(1)
             return None
         try:
@@ -393,9 +385,11 @@ class RedisTier(QueuedTier):
     def _parts_hint(self, key: bytes) -> int:
         return self._predicted_parts(key) if self._entry_bytes is not None else 1
 
-    def _forget(self, key: bytes) -> None:
-        with self._lock:
-            self._stored_bytes -= self._stored.pop(key, 0)
+    def _forget(self, key: bytes) -> bool:
+        size = self._stored.pop(key, None)
+        if size is not None:
+            self._stored_bytes -= size
+        return size is not None
 
     def _remember(self, key: bytes, size: int) -> None:
         """Count an entry written (the most recent `_STORED_LIMIT`). Holds the lock."""
@@ -425,10 +419,7 @@ class RedisTier(QueuedTier):
                     except queue.Empty:
                         break
                     batch.append(item)
-                self._write(
-                    [k for k in batch if isinstance(k, bytes)],
-                    [n for n in batch if isinstance(n, list)],
-                )
+                self._write([i for i in batch if i is not None])
             except Exception as e:  # the writer must survive anything: flush() waits on it
                 self._fault("writer", e)
             finally:
@@ -437,35 +428,84 @@ class RedisTier(QueuedTier):
             if batch[-1] is None:
                 return
 
-    def _write(self, keys: list[bytes], unlinks: list[list[str]]) -> None:
-        """Write the queued entries of `keys` and unlink `unlinks`, in one pipeline."""
-        with self._lock:
-            todo = [(k, p) for k in keys if (p := self._pending.get(k)) is not None]
-            if not self._up or self._client is None:  # went down: drop what queued
-                for k, p in todo:
-                    self._unqueue(k, p)
-                self._stats.dropped_puts += len(todo)
-                return
-        if not todo and not unlinks:
-            return
-        values = [(k, p, self._encode(k, p[0])) for k, p in todo]
+    def _write(self, items: list[Any]) -> None:
+        """Do what queued, in queue order, in one pipeline: write entries (keys), delete
+        entries (`_Delete`: every part the first one's header counts, read in one round
+        trip before) and unlink damaged values (lists of names). A write with a delete
+        of its key queued after it is skipped: the delete would drop it, and a put made
+        after the delete has its own, later place in the queue."""
+        deletes = [i.key for i in items if isinstance(i, _Delete)]
         try:
+            with self._lock:
+                keys = {i for i in items if isinstance(i, bytes)} | set(deletes)
+                later = Counter({k: self._deleting[k] for k in keys if k in self._deleting})
+                plan: list[Any] = []
+                for item in items:
+                    if isinstance(item, bytes):
+                        pending = self._pending.get(item)
+                        if pending is not None and later[item] <= 0:
+                            plan.append((item, pending))
+                        continue
+                    if isinstance(item, _Delete):
+                        later[item.key] -= 1
+                    plan.append(item)
+                writes = [op for op in plan if isinstance(op, tuple)]
+                if not self._up or self._client is None:  # went down: drop what queued
+                    for k, p in writes:
+                        self._unqueue(k, p)
+                    self._stats.dropped_puts += len(writes)
+                    return
+            if plan:
+                self._execute_plan(plan, writes, deletes)
+        finally:
+            with self._lock:
+                self._deleting.subtract(deletes)
+                for k in deletes:
+                    if self._deleting[k] <= 0:
+                        del self._deleting[k]
+
+    def _count_parts(self, keys: list[bytes]) -> dict[bytes, int]:
+        """How many parts each key's entry has, as its first part says (one round trip)."""
+        if not keys:
+            return {}
+        pipe = self._pipeline()
+        for key in keys:
+            first = self.names(key)[0]
+            pipe.strlen(first)
+            pipe.getrange(first, 0, HEADER_BYTES - 1)
+        replies = self._execute(pipe)
+        counted = {}
+        for key, length, head in zip(keys, replies[::2], replies[1::2], strict=True):
+            whole = isinstance(length, int) and isinstance(head, bytes)
+            counted[key] = max(self._parts_of(head, length) if whole else 1, self._parts_hint(key))
+        return counted
+
+    def _execute_plan(
+        self, plan: list[Any], writes: list[tuple[bytes, Any]], deletes: list[bytes]
+    ) -> None:
+        """Run `_write`'s plan as one pipeline (a MULTI/EXEC on a standalone server),
+        after the round trip that counts the parts of the entries it deletes."""
+        try:
+            parts = self._count_parts(deletes)
             assert self._client is not None
             pipe = self._client.pipeline(transaction=not self.cluster)
-            for k, _, parts in values:
-                self._set(pipe, k, parts)
-            for names in unlinks:
-                pipe.execute_command("UNLINK", *names)  # one slot
+            for op in plan:
+                if isinstance(op, tuple):
+                    self._set(pipe, op[0], self._encode(op[0], op[1][0]))
+                elif isinstance(op, _Delete):
+                    pipe.execute_command("UNLINK", *self.names(op.key, parts[op.key]))  # one slot
+                else:
+                    pipe.execute_command("UNLINK", *op)  # one slot
             pipe.execute()
         except Exception as e:
             self._fault("write", e)
             with self._lock:
-                for k, p in todo:
+                for k, p in writes:
                     if self._unqueue(k, p):
                         self._stats.write_errors += 1
             return
         with self._lock:
-            for k, p in todo:
+            for k, p in writes:
                 if self._unqueue(k, p):
                     self._stats.puts += 1
                     self._remember(k, p[1])
@@ -506,8 +546,6 @@ class RedisTier(QueuedTier):
                 self._client = self._make_client()
             self._client.ping()
             self._read_server_settings()
-            if self._clear_owed:
-                self._unlink_namespace()
         except Exception as e:
             self._down("connect", e, probe=True)
             return False
