@@ -52,6 +52,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from hybridkv.core.eviction import Boundary, eviction_order
 
@@ -74,6 +75,16 @@ GHOSTS_MIN = 1024
 RETURN_WINDOW = 64
 LOOPING_SHARE = 0.5
 LIVE_GAPS = 4.0
+
+
+class IndexListener(Protocol):
+    """Told of every change to what a hit may read (KV cache events follow it): an entry
+    entering or leaving CPU memory (ready to read: a promotion counts once it is done)
+    or the disk tier (every rank holds it), and a clear of both."""
+
+    def changed(self, tier: str, key: bytes, present: bool) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 @dataclass
@@ -169,8 +180,14 @@ class StoreIndex:
         self.epoch = 0  # advanced by `clear`: reports from an older epoch are stale
         self.orders = Orders()
         self.stats = IndexStats()
+        self.listener: IndexListener | None = None
 
     # ---- questions ------------------------------------------------------------------------
+    @property
+    def has_disk(self) -> bool:
+        """The workers have a disk tier (its entries are reported here)."""
+        return self._listed is not None
+
     def ready(self) -> bool:
         """Every rank has listed its disk (always, without one): until then a lookup
         would miss what an earlier process stored."""
@@ -332,6 +349,8 @@ class StoreIndex:
     def _insert(self, key: bytes, nbytes: int) -> None:
         self._cpu[key] = nbytes
         self._used += nbytes
+        if self.listener is not None and key not in self._promoting:
+            self.listener.changed("cpu", key, True)
         if self.recurrent:
             self._loose[key] = None
             last = self._ghosts.pop(key, None)
@@ -469,6 +488,8 @@ class StoreIndex:
         return len(victims)
 
     def _drop_cpu(self, key: bytes) -> None:
+        if self.listener is not None and self.in_cpu(key):
+            self.listener.changed("cpu", key, False)
         size = self._cpu.pop(key, None)
         if size is not None:
             self._used -= size
@@ -526,9 +547,10 @@ class StoreIndex:
         again."""
         if key in self._cpu:
             return True
+        self._promoting[key] = set()  # first: not ready to read while it is read in
         if not self.admit(key, nbytes):
+            del self._promoting[key]
             return False
-        self._promoting[key] = set()
         self._sources[key] = tier
         self.orders.promote.append((key, tier))
         return True
@@ -545,7 +567,7 @@ class StoreIndex:
             self.orders.evict.append(key)
             # Damaged or gone there: never planned around again (a probe may find it anew).
             if tier == "disk":
-                self._disk.pop(key, None)
+                self._forget_disk(key)
             else:
                 self._hints.get(tier, {}).pop(key, None)
             return
@@ -555,17 +577,28 @@ class StoreIndex:
             del self._promoting[key]
             self.stats.promotions += 1
             self.promoted_from[self._sources.pop(key, "disk")] += 1
+            if self.listener is not None:
+                self.listener.changed("cpu", key, True)
 
     # ---- worker reports -------------------------------------------------------------------
     def disk_changed(self, epoch: int, rank: int, key: bytes, present: bool) -> None:
         if epoch != self.epoch:
             return
+        before = self.on_disk(key)
         if present:
             self._disk.setdefault(key, set()).add(rank)
         elif key in self._disk:
             self._disk[key].discard(rank)
             if not self._disk[key]:
                 del self._disk[key]
+        if self.listener is not None and self.on_disk(key) != before:
+            self.listener.changed("disk", key, not before)
+
+    def _forget_disk(self, key: bytes) -> None:
+        """Plan no hit around `key` on disk again (a read of it failed)."""
+        if self.listener is not None and self.on_disk(key):
+            self.listener.changed("disk", key, False)
+        self._disk.pop(key, None)
 
     def lost(self, epoch: int, key: bytes) -> None:
         """A rank does not hold an entry the index has in CPU memory (its store failed)."""
@@ -607,6 +640,8 @@ class StoreIndex:
         self._disk.clear()
         self.epoch += 1
         self.orders = Orders(clear=True)
+        if self.listener is not None:
+            self.listener.cleared()
 
     def gauges(self) -> dict[str, int]:
         return {

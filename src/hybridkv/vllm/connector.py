@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -39,6 +39,7 @@ from hybridkv.core.policy import CheckpointPolicy
 from hybridkv.core.probe import Probe
 from hybridkv.core.shared_tiers import warn_unprotected_tiers
 from hybridkv.core.store import TieredStore, redis_tier
+from hybridkv.vllm.kv_events import kv_events
 from hybridkv.vllm.layout import group_layer_pages, layout_from_vllm
 from hybridkv.vllm.metadata import HybridKVMetadata, HybridKVWorkerMeta
 from hybridkv.vllm.metrics import (
@@ -54,6 +55,7 @@ from hybridkv.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorStats,
         PromMetric,
@@ -234,6 +236,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 tiers=[(t.kind, t.load_weight) for t in below],
                 probe=probe,
                 split_guard=split_guard,
+                events=kv_events(vllm_config, self.layout, self.planner, kv_cache_config, index),
             )
             if enabled:
                 check_load_failure_policy(vllm_config)
@@ -312,6 +315,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request), None
+
+    @_guarded(list)
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """vLLM's KV cache events for what hybridkv can resume (vllm/kv_events.py): what
+        changed since the last step, when `--kv-events-config` enables them."""
+        events = self.scheduler_side.events
+        return events.take() if events is not None else ()
 
     @_guarded(lambda: False)
     def reset_cache(self) -> bool:

@@ -32,6 +32,7 @@ from hybridkv.core.metrics import Figures
 from hybridkv.core.planner import NULL_BLOCK, EntryCopy, Planner
 from hybridkv.core.policy import CheckpointPolicy, StateAction
 from hybridkv.core.probe import Probe
+from hybridkv.vllm.kv_events import KVEvents
 from hybridkv.vllm.metadata import (
     HybridKVMetadata,
     KeyedCopy,
@@ -134,12 +135,15 @@ class SchedulerSide:
         tiers: Sequence[tuple[str, float]] = (),
         probe: Probe | None = None,
         split_guard: SplitGuard | None = None,
+        events: KVEvents | None = None,
     ):
         """`below`: the workers have a tier below CPU memory that takes stores (one
         without CPU room still goes there). `tiers`: the tiers below CPU memory a hit
         may be promoted from, fastest first, with their load weights. `probe`: asks
         the shared tier what it holds. `split_guard`: keeps vLLM's prefill split on
-        the recurrent blocks (vllm/split_guard.py), checked at every lookup."""
+        the recurrent blocks (vllm/split_guard.py), checked at every lookup. `events`:
+        vLLM KV cache events for what can be resumed (vllm/kv_events.py), if enabled;
+        it follows the index and learns block hashes from the requests here."""
         self.layout = layout
         self.planner = planner
         self.policy = policy
@@ -149,6 +153,9 @@ class SchedulerSide:
         self.tiers = list(tiers)
         self.probe = probe
         self.split_guard = split_guard
+        self.events = events
+        if events is not None:
+            index.listener = events
         self._fingerprint = layout.fingerprint
         self._reqs: dict[str, _RequestState] = {}
         self._loads: list[RequestLoad] = []
@@ -428,6 +435,7 @@ class SchedulerSide:
         _add(self.stats.hit_tokens_by_tier, st.hit_source, num_external)
         # What was loaded is stored already.
         st.stored_chunks = max(st.stored_chunks, boundary // self.planner.chunk_tokens)
+        self._observe(st, st.keys, [boundary])  # after a restart, disk entries are news
 
     # ---- per-step plan ----------------------------------------------------------------------
     def build_meta(self, out: SchedulerOutput) -> HybridKVMetadata:
@@ -530,7 +538,29 @@ class SchedulerSide:
         keys = self._keys(st, (max(c.chunk for c, _ in copies) + 1) * self.planner.chunk_tokens)
         stored = self._admit(st, keys, _keyed(keys, [c for c, staged in copies if not staged]))
         staged = self._stage(st, keys, _keyed(keys, [c for c, staged in copies if staged]))
+        C = self.planner.chunk_tokens
+        self._observe(
+            st,
+            keys,
+            {
+                (c.chunk + 1) * C
+                for c, _ in copies
+                if not self._state_groups or c.group in self._state_groups
+            },
+        )
         return stored + staged
+
+    def _observe(self, st: _RequestState, keys: list[bytes], boundaries: Iterable[int]) -> None:
+        """Tell the KV cache events (if enabled) of boundaries the request stored or
+        restored: they take their block hashes and tokens from it. An error here costs
+        events, never a store or a hit."""
+        if self.events is None:
+            return
+        try:
+            self.events.observe(st.request, keys, sorted(boundaries))
+        except Exception:
+            log.exception("hybridkv: recording KV cache events failed")
+            self.stats.hook_errors += 1
 
     def _stage(
         self, st: _RequestState, keys: list[bytes], copies: list[KeyedCopy]
