@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tokens
+from conftest import real_difference, tokens
 
 from hybridkv.engine import generate, scheduler_connector
 
@@ -12,8 +12,10 @@ pytestmark = pytest.mark.engine
 
 def test_concurrent_mixed_hits_match_engine_without_connector(model_dirs, engine_factory):
     """16 requests at once, half restored by hybridkv, against an engine without the
-    connector whose own prefix cache serves the same prefixes: same schedule, so the
-    outputs must be identical."""
+    connector whose own prefix cache serves the same prefixes: the same hits and the same
+    outputs, up to batch rounding (`LOGPROB_NOISE`): a restored request starts one step
+    later than one of vLLM's own hits (its load is asynchronous), so the two engines
+    batch the requests differently."""
     model = model_dirs["qwen3-next"]
     seen = [tokens(300 + 40 * i, seed=100 + i) for i in range(8)]
     fresh = [tokens(280 + 50 * i, seed=200 + i) for i in range(8)]
@@ -30,8 +32,12 @@ def test_concurrent_mixed_hits_match_engine_without_connector(model_dirs, engine
     assert all(h > 0 for h in hits[0::2]), hits  # every seen prompt is restored
     assert all(h == 0 for h in hits[1::2]), hits  # fresh prompts miss
     assert hits == [e.num_cached_tokens for e in expected]
-    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
-    assert [g.logprobs for g in got] == [e.logprobs for e in expected]
+    differ = {
+        i: at
+        for i, (g, e) in enumerate(zip(got, expected, strict=True))
+        if (at := real_difference(g, e)) is not None
+    }
+    assert not differ, differ
 
 
 def test_next_turn_hits_state_at_end_of_previous_turn(model_dirs, engine_factory):

@@ -194,8 +194,11 @@ def test_a_stored_prompt_is_announced_with_vllms_hashes_and_outlives_a_reset(rep
         for g, (kind, hashes) in gpu.items():
             if kind == "mamba":  # the state at B: vLLM's hash of the block ending there
                 assert ours(events, medium, group=g) == [hashes[-1]], (medium, g)
-            elif kind == "sliding_window":  # the windows of every boundary up to B
-                assert ours(events, medium, group=g) == expected, (medium, g)
+            elif kind == "sliding_window":  # the windows of every boundary up to B, in
+                # the order their boundaries became restorable there (disk writes land
+                # in any order); the full-attention blocks always come root first
+                got = ours(events, medium, group=g)
+                assert sorted(got) == sorted(expected) and len(set(got)) == len(got), (medium, g)
 
     before = len(r.stream.events)
     r.server.reset_prefix_cache()
