@@ -95,7 +95,6 @@ class ResumableTracker:
             up.children.add(node)
         self._watch(node, node.entries)
         for tier in self.tiers:
-            node.missing[tier] = sum(not self._present(tier, e) for e in node.entries)
             node.prefix[tier] = node.missing[tier] == 0 and (up is None or up.prefix[tier])
             node.cover[tier] = 0
 
@@ -112,14 +111,16 @@ class ResumableTracker:
             at.bounds.add(b)
         self._watch(b, b.needs)
         for tier in self.tiers:
-            b.missing[tier] = sum(not self._present(tier, e) for e in b.needs)
             b.true[tier] = False
             self._settle(b, tier)
         self._maybe_dormant(b)
 
-    def _watch(self, item: _Node | _Boundary, entries: Iterable[bytes]) -> None:
+    def _watch(self, item: _Node | _Boundary, entries: Sequence[bytes]) -> None:
+        """Follow `entries` for `item`, counting those each tier lacks now."""
         for e in entries:
             self._by_entry.setdefault(e, []).append(item)
+        for tier in self.tiers:
+            item.missing[tier] = sum(not self._present(tier, e) for e in entries)
 
     # ---- changes --------------------------------------------------------------------------
     def changed(self, tier: str, entry: bytes, present: bool) -> None:
