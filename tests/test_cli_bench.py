@@ -80,8 +80,43 @@ def test_bench_hit_rate_quick(model_dirs, tmp_path):
     # what vLLM's prefix cache no longer holds.
     assert f["connector_hit_rate"] > 0 and f["loaded_bytes"] > 0
     assert f["token_hit_rate"] == pytest.approx(f["local_hit_rate"] + f["connector_hit_rate"])
+    # The oracle bounds what a real engine hit, replayed in order.
+    assert run["raw"]["in_order"] and f["token_hit_rate"] <= f["oracle_hit_rate"]
+    assert f["of_oracle"] == pytest.approx(f["token_hit_rate"] / f["oracle_hit_rate"])
+    assert result["group"] == "tuning"
     assert "hit_rate-quick.png" in proc.stdout
     check_png(tmp_path / "hit_rate-quick.png")
+
+
+def test_bench_hit_rate_replays_requests_concurrently(model_dirs, tmp_path):
+    """`--in-flight 3`: requests share the engine's steps, every one is answered and
+    counted, and the held-out trace is summarized in its group."""
+    trace = "issue29:conversations=4,forks=2,concurrency=4"
+    bench(
+        "hit-rate",
+        "--model",
+        model_dirs["qwen3-next"],
+        "--trace",
+        trace,
+        "--system",
+        "none",
+        "--kv-cache-mib",
+        "5",
+        "--in-flight",
+        "3",
+        "--out-dir",
+        str(tmp_path),
+    )
+    result = json.loads((tmp_path / "hit_rate-issue29.json").read_text())
+    (run,) = result["runs"]
+    raw = run["raw"]
+    assert result["in_flight"] == raw["in_flight"] == 3 and result["group"] == "held-out"
+    assert len(raw["rows"]) == result["trace"]["requests"] == 4 * 4 + 2 * 2
+    assert all(row[0] > 0 and 0 <= row[1] < row[0] and row[4] > 0 for row in raw["rows"])
+    steps = raw["first_step"]
+    assert len(set(steps)) < len(steps)  # some requests were scheduled in the same step
+    summary = json.loads((tmp_path / "hit_rate-summary.json").read_text())
+    assert "none 0 MiB" in summary["groups"]["held-out"]
 
 
 def test_bench_rejects_an_unknown_system(tmp_path):

@@ -1,4 +1,4 @@
-"""vLLM's own OffloadingConnector on the CPU build, through hybridkv.vllm.offloading_cpu
+"""vLLM's own OffloadingConnector on the CPU build, through hybridkv.benchmarks.offloading_cpu
 (the baseline of the hit-rate benchmark)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_sync_worker_round_trip_with_partial_chunks():
     )
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-    from hybridkv.vllm.offloading_cpu import SyncCPUOffloadingWorker
+    from hybridkv.benchmarks.offloading_cpu import SyncCPUOffloadingWorker
 
     page = 64
     engine = torch.randint(-128, 127, (20, page), dtype=torch.int8)
@@ -52,13 +52,13 @@ def test_offloading_connector_restores_on_cpu(model_dirs):
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    from hybridkv.benchmarks.offloading_cpu import SyncCPUOffloadingWorker
     from hybridkv.engine import generate, offline_env, shutdown
-    from hybridkv.vllm.offloading_cpu import SyncCPUOffloadingWorker
 
     offline_env()
     extra = {
         "spec_name": "CPUSyncOffloadingSpec",
-        "spec_module_path": "hybridkv.vllm.offloading_cpu",
+        "spec_module_path": "hybridkv.benchmarks.offloading_cpu",
         "cpu_bytes_to_use": 64 << 20,
     }
     llm = LLM(

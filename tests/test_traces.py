@@ -1,4 +1,4 @@
-"""Synthetic traces and trace readers (hybridkv.core.traces): determinism, shapes and the
+"""Synthetic traces and trace readers (hybridkv.benchmarks.traces): determinism, shapes and the
 sharing structure each workload is meant to have."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from hybridkv.core.traces import (
+from hybridkv.benchmarks.families import make_trace
+from hybridkv.benchmarks.traces import (
     SYNTHETIC,
     Request,
     Trace,
     agentic_branching,
     document_qa,
-    make_trace,
     multi_turn_chat,
     read_mooncake,
     read_sharegpt,

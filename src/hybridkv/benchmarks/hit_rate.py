@@ -1,12 +1,22 @@
-"""Trace-replay hit-rate benchmark (issue 12): hybridkv, vLLM's own `OffloadingConnector`
-(with hybridkv.vllm.offloading_cpu's CPU spec) and no connector, at equal CPU byte
-budgets, on an engine whose own KV cache is small, so that vLLM's prefix cache cannot
-keep conversations between turns.
+"""Trace-replay hit-rate benchmark (issues 12, 29): hybridkv, vLLM's own
+`OffloadingConnector` (with hybridkv.benchmarks.offloading_cpu's CPU spec) and no
+connector, at equal CPU byte budgets, on an engine whose own KV cache is small, so that
+vLLM's prefix cache cannot keep conversations between turns; each measured against the
+best any policy could do (hybridkv.benchmarks.oracle).
 
-Every (system, budget) runs in a fresh engine process (`python -m hybridkv.vllm.replay`),
-so no run sees another's caches. Requests are replayed one at a time in trace order,
-greedy, `--max-tokens` each (1 by default: the call's wall time is the TTFT). The
-no-connector run does not depend on the budget and runs once per trace.
+Every (system, budget) runs in a fresh engine process
+(`python -m hybridkv.benchmarks.replay`), so no run sees another's caches. Requests are
+replayed in trace order, greedy, `--max-tokens` each (1 by default: TTFT is the time to
+that token), one at a time, or `--in-flight N` at a time (a closed loop of N clients).
+The no-connector run does not depend on the budget and runs once per trace.
+
+The oracle: an upper bound on the token hit rate of any admission and eviction policy
+with the same memory (the CPU budget and the engine's own block pool) and the same hit
+rule, computed offline from the trace and the KV geometry the engine reports; each
+run's `of_oracle` is its token hit rate over that bound (`in_order`: the replay met the
+bound's ordering assumption; a concurrent replay may not). Trace families
+are marked `tuning` (chat, agentic, docqa: the policy's thresholds were chosen on them)
+or `held-out` (hybridkv.benchmarks.families); the summary reports the two groups apart.
 
 Reported per system and budget: token hit rate (cached / prompt tokens), split into
 what vLLM's own prefix cache served (`local`) and what the connector loaded
@@ -14,12 +24,15 @@ what vLLM's own prefix cache served (`local`) and what the connector loaded
 loaded; its raw counters (hybridkv: the scheduler side's snapshot, worker and tier stats,
 admissions/refusals/evictions per group; vLLM: stores/evictions/loads per group). Also
 the trace's `reuse_bound`: what an unbounded prefix cache of the engine's block size
-could serve. Writes `<out>/hit_rate-<trace>.json` and `.png`.
+could serve. Writes `<out>/hit_rate-<trace>.json` and `.png`, and
+`<out>/hit_rate-summary.json` (each group's fractions of the oracle).
 
     hybridkv bench hit-rate --quick                          # ~2 min smoke run
     python bench/hit_rate.py                                 # chat, agentic, docqa
     python bench/hit_rate.py --traces agentic --budgets-mib 8 32
     python bench/hit_rate.py --traces mooncake:trace.jsonl:64 sharegpt:sg.json
+    python bench/hit_rate.py --traces issue29 sharegpt-like coding-agent --kv-cache-mib 5
+    python bench/hit_rate.py --traces mixture --in-flight 4
     python bench/hit_rate.py --quick                         # ~2 min smoke run
     python bench/hit_rate.py --systems hybridkv@9fd6c59 hybridkv vllm-offload none
         # hybridkv at a git revision (its src/ extracted, with today's bench files) and
@@ -37,8 +50,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridkv.benchmarks.families import make_trace
 from hybridkv.benchmarks.figures import MIB, engine_process, percentile, write_result
-from hybridkv.core.traces import Trace, make_trace, with_max_tokens
+from hybridkv.benchmarks.oracle import Capacity, Geometry, bound, packing
+from hybridkv.benchmarks.traces import Trace, with_max_tokens
 
 SYSTEMS = ("hybridkv", "vllm-offload", "none")
 QUICK_TRACE = (
@@ -73,15 +88,9 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
 
 
 REPO = Path(__file__).resolve().parents[3]
-# The measuring instrument: a snapshot of another revision runs with today's copies.
-INSTRUMENT = (
-    "benchmarks/__init__.py",
-    "benchmarks/figures.py",
-    "benchmarks/hit_rate.py",
-    "core/traces.py",
-    "vllm/replay.py",
-    "vllm/offloading_cpu.py",
-)
+# The measuring instrument, the benchmarks package: a snapshot of another revision runs
+# with today's copy of it.
+INSTRUMENT = "benchmarks"
 
 
 def snapshot(rev: str, tmp: Path) -> tuple[Path, str]:
@@ -107,10 +116,10 @@ def snapshot(rev: str, tmp: Path) -> tuple[Path, str]:
         with tarfile.open(fileobj=io.BytesIO(tar)) as t:
             t.extractall(out, filter="data")
         here = REPO / "src" / "hybridkv"
-        for rel in INSTRUMENT:
-            dest = out / "src" / "hybridkv" / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(here / rel, dest)
+        dest = out / "src" / "hybridkv" / INSTRUMENT
+        dest.mkdir(parents=True, exist_ok=True)
+        for module in (here / INSTRUMENT).glob("*.py"):
+            shutil.copy(module, dest / module.name)
         for ext in here.glob("*.so"):
             shutil.copy(ext, out / "src" / "hybridkv" / ext.name)
     return out / "src", commit
@@ -144,6 +153,7 @@ def run_trace(trace: Trace, args: HitRateSettings, model: str, tmp: Path) -> dic
         "max_model_len": max_len,
         "hybridkv_extra": json.loads(args.hybridkv_extra),
         "offload_extra": json.loads(args.offload_extra),
+        "in_flight": args.in_flight,
     }
     log = Path(args.log) if args.log else None
     runs, sources = [], {}
@@ -159,7 +169,7 @@ def run_trace(trace: Trace, args: HitRateSettings, model: str, tmp: Path) -> dic
             t = time.perf_counter()
             spec = {**base, "system": system, "budget": budget}
             what = f"replay of {system} {budget}"
-            run = engine_process("hybridkv.vllm.replay", spec, what, log, pythonpath)
+            run = engine_process("hybridkv.benchmarks.replay", spec, what, log, pythonpath)
             fig = summarize(run)
             print(
                 f"  {trace.name:10} {system:18} {budget / MIB:6.0f} MiB"
@@ -172,6 +182,7 @@ def run_trace(trace: Trace, args: HitRateSettings, model: str, tmp: Path) -> dic
     block = max(run["raw"].get("block_tokens") or 0 for run in runs)
     return {
         "trace": trace.summary(block),
+        "group": trace.params.get("group"),
         "trace_params": trace.params,
         "arch": args.arch,
         "size": args.size,
@@ -179,9 +190,14 @@ def run_trace(trace: Trace, args: HitRateSettings, model: str, tmp: Path) -> dic
         "kv_cache_bytes": base["kv_cache_bytes"],
         "max_model_len": max_len,
         "max_tokens": args.max_tokens,
+        "in_flight": args.in_flight,
         "hybridkv_extra": base["hybridkv_extra"],
         "offload_extra": base["offload_extra"],
-        "replay": "sequential, one generate per request, greedy",
+        "replay": (
+            "sequential, greedy"
+            if args.in_flight == 1
+            else f"{args.in_flight} requests in flight (closed loop), greedy"
+        ),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": os.uname().nodename,
         "hybridkv_source": sources,
@@ -189,13 +205,26 @@ def run_trace(trace: Trace, args: HitRateSettings, model: str, tmp: Path) -> dic
     }
 
 
+def comparable(result: dict[str, Any]) -> dict[str, Any]:
+    """What two results must share for their runs to compare: the workload (its group is
+    a label), the model and engine settings, and how many requests were in flight (1 in
+    results from before that setting)."""
+    params = {k: v for k, v in (result.get("trace_params") or {}).items() if k != "group"}
+    keys = ("arch", "size", "kv_cache_bytes", "max_model_len", "max_tokens")
+    return {
+        "trace_params": params,
+        **{k: result.get(k) for k in keys},
+        "in_flight": result.get("in_flight", 1),
+    }
+
+
 def reuse(result: dict[str, Any], path: Path) -> None:
     """Add the runs in the earlier result `path` of systems `result` lacks, if it replayed
     the same trace on the same engine settings (else fail: they would not compare)."""
     earlier = json.loads(path.read_text())
-    same = ("trace_params", "arch", "size", "kv_cache_bytes", "max_model_len", "max_tokens")
-    for key in same:
-        if earlier.get(key) != result.get(key):
+    now = comparable(result)
+    for key, value in comparable(earlier).items():
+        if value != now[key]:
             raise ValueError(f"{path}: {key} differs, its runs do not compare")
     have = {run["figures"]["system"] for run in result["runs"]}
     taken = [
@@ -211,24 +240,98 @@ def reuse(result: dict[str, Any], path: Path) -> None:
     }
 
 
+def add_oracle(result: dict[str, Any], trace: Trace) -> None:
+    """The oracle (hybridkv.benchmarks.oracle) at every budget of `result`'s runs, with
+    vLLM's block pool as the first run that reported a KV geometry has it, into
+    `result["oracle"]`, and each run's hit rate as a fraction of it (`of_oracle`).
+    Nothing without a geometry (runs from results written before the oracle)."""
+    raw = next((r["raw"] for r in result["runs"] if r["raw"].get("geometry")), None)
+    if raw is None:
+        return
+    geo = raw["geometry"]
+    hit_tokens = min([raw["block_tokens"], *(g["block_tokens"] for g in geo["groups"])])
+    geometry = Geometry.from_groups(geo["groups"], hit_tokens)
+    pool = geo["num_gpu_blocks"] - 1  # less vLLM's null block
+    p = packing(trace, geometry)
+    budgets = sorted({r["figures"]["budget_bytes"] for r in result["runs"]} | {0})
+    bounds = {b: bound(p, Capacity(b, pool)) for b in budgets}
+    for run in result["runs"]:
+        f = run["figures"]
+        upper = bounds[f["budget_bytes"]].rates()["upper_hit_rate"]
+        f["oracle_hit_rate"] = upper
+        f["of_oracle"] = f["token_hit_rate"] / upper if upper else None
+        f["in_order"] = run["raw"].get("in_order", True)
+        # A measured rate above a proven bound means the oracle's model is wrong for this
+        # run (or the replay broke its order assumption: `in_order`).
+        f["above_oracle"] = f["token_hit_rate"] > upper + 1e-9
+    result["oracle"] = {
+        "geometry": vars(geometry),
+        "gpu_blocks": pool,
+        "bounds": [{"budget_bytes": b, **bounds[b].rates()} for b in budgets],
+    }
+
+
 def table(result: dict[str, Any]) -> str:
     t = result["trace"]
     lines = [
-        f"{t['name']}: {t['requests']} requests, {t['prompt_tokens']} prompt tokens, "
-        f"reuse bound {t['reuse_bound']:.3f} (block {t['block']})",
-        f"{'system':18}{'MiB':>6}{'hit':>7}{'local':>7}{'conn':>7}{'req hit':>9}"
-        f"{'p50 ms':>8}{'p90 ms':>8}{'stored MB':>11}{'loaded MB':>11}",
+        f"{t['name']} ({result.get('group')}): {t['requests']} requests,"
+        f" {t['prompt_tokens']} prompt tokens, reuse bound {t['reuse_bound']:.3f}"
+        f" (block {t['block']})",
+        f"{'system':18}{'MiB':>6}{'hit':>7}{'local':>7}{'conn':>7}{'oracle':>8}{'/orc':>6}"
+        f"{'req hit':>9}{'p50 ms':>8}{'p90 ms':>8}{'stored MB':>11}{'loaded MB':>11}",
     ]
+    num = lambda v, w, d: f"{v:{w}.{d}f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
     for run in result["runs"]:
         f = run["figures"]
         mb = lambda v: f"{v / 1e6:11.1f}" if v is not None else f"{'-':>11}"  # noqa: E731
+        flag = "" if f.get("in_order", True) else "  (out of order)"
         lines.append(
             f"{f['system']:18}{f['budget_bytes'] / MIB:6.0f}{f['token_hit_rate']:7.3f}"
             f"{f['local_hit_rate']:7.3f}{f['connector_hit_rate']:7.3f}"
+            f"{num(f.get('oracle_hit_rate'), 8, 3)}{num(f.get('of_oracle'), 6, 2)}"
             f"{f['requests_with_hit']:>5}/{f['requests']:<3}"
             f"{f['ttft_p50_s'] * 1e3:8.1f}{f['ttft_p90_s'] * 1e3:8.1f}"
-            f"{mb(f['stored_bytes'])}{mb(f['loaded_bytes'])}"
+            f"{mb(f['stored_bytes'])}{mb(f['loaded_bytes'])}{flag}"
         )
+    for b in result.get("oracle", {}).get("bounds", []):
+        lines.append(
+            f"oracle at {b['budget_bytes'] / MIB:g} MiB CPU + {b['gpu_blocks']} vLLM blocks:"
+            f" bound {b['upper_hit_rate']:.3f}, a schedule reaching"
+            f" {b['schedule_hit_rate']:.3f} exists in its model,"
+            f" unlimited {b['unlimited_hit_rate']:.3f}"
+        )
+    if any(r["figures"].get("above_oracle") for r in result["runs"]):
+        lines.append("WARNING: a run hit more than the oracle's bound (see above_oracle)")
+    return "\n".join(lines)
+
+
+def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per group (tuning, held-out), per system and budget: the mean fraction of the
+    oracle over the group's traces, and each trace's."""
+    out: dict[str, Any] = {}
+    for result in results:
+        group = out.setdefault(result.get("group") or "unknown", {})
+        for run in result["runs"]:
+            f = run["figures"]
+            if f.get("of_oracle") is None:
+                continue
+            key = f"{f['system']} {f['budget_bytes'] / MIB:g} MiB"
+            entry = group.setdefault(key, {"traces": {}})
+            entry["traces"][result["trace"]["name"]] = f["of_oracle"]
+    for group in out.values():
+        for entry in group.values():
+            fractions = list(entry["traces"].values())
+            entry["mean_of_oracle"] = sum(fractions) / len(fractions)
+    return out
+
+
+def summary_table(groups: dict[str, Any]) -> str:
+    lines = ["token hit rate as a fraction of the oracle, mean over each group's traces:"]
+    for name, group in groups.items():
+        lines.append(f"  {name}:")
+        for key, entry in group.items():
+            each = ", ".join(f"{t} {v:.2f}" for t, v in entry["traces"].items())
+            lines.append(f"    {key:24} {entry['mean_of_oracle']:.3f}  ({each})")
     return "\n".join(lines)
 
 
@@ -257,8 +360,16 @@ def draw(result: dict[str, Any], ax: Any) -> None:
             alpha=0.6,
             label=f"{system} (connector only)",
         )
-    bound = result["trace"]["reuse_bound"]
-    ax.axhline(bound, color="black", lw=0.8, ls="--", label="reuse bound")
+    oracle = [
+        (b["budget_bytes"] / MIB, b["upper_hit_rate"])
+        for b in result.get("oracle", {}).get("bounds", [])
+        if b["budget_bytes"] in budgets
+    ]
+    if oracle:
+        xs, ys = zip(*oracle, strict=True)
+        ax.plot(xs, ys, "s-", color="black", lw=1.2, zorder=1, label="oracle (upper bound)")
+    reuse_bound = result["trace"]["reuse_bound"]
+    ax.axhline(reuse_bound, color="black", lw=0.8, ls="--", label="reuse bound")
     if budgets:
         ax.set_xscale("log", base=2)
         ax.set_xticks([b / MIB for b in budgets], [f"{b / MIB:g}" for b in budgets])
@@ -288,6 +399,8 @@ class HitRateSettings:
     # blocks on qwen3-next/tiny, so vLLM's prefix cache cannot keep conversations.
     kv_cache_mib: float = 4
     max_tokens: int = 1
+    # Requests in the engine at a time: 1 replays them one after the other.
+    in_flight: int = 1
     limit: int | None = None
     hybridkv_extra: str = "{}"
     offload_extra: str = "{}"
@@ -316,7 +429,8 @@ class HitRateSettings:
 
 
 def run(settings: HitRateSettings) -> list[Path]:
-    """Replay every trace; the JSON files written (a PNG beside each)."""
+    """Replay every trace; the JSON files written (a PNG beside each, and the groups'
+    summary last)."""
     from hybridkv.models import default_model_dir, make_model, model_config
 
     args = settings
@@ -324,13 +438,15 @@ def run(settings: HitRateSettings) -> list[Path]:
         make_model(args.arch, args.model or default_model_dir(args.arch, args.size), args.size)
     )
     vocab = model_config(args.arch, args.size)["vocab_size"]
-    written = []
+    written, results = [], []
     with tempfile.TemporaryDirectory(prefix="hybridkv-hit-rate-") as tmp:
         for spec in args.traces:
             trace = with_max_tokens(make_trace(spec, vocab=vocab), args.max_tokens)
             if args.limit:
                 trace = trace.head(args.limit)
-            name = "quick" if args.quick else trace.name
+            name = trace.name
+            if args.quick:
+                name = "quick" if spec == QUICK_TRACE else f"quick-{trace.name}"
             t = time.perf_counter()
             print(
                 f"{name}: {len(trace)} requests, {trace.prompt_tokens()} prompt tokens", flush=True
@@ -344,10 +460,19 @@ def run(settings: HitRateSettings) -> list[Path]:
             result["wall_s"] = time.perf_counter() - t
             if earlier is not None:
                 reuse(result, earlier)
+            add_oracle(result, trace)
             out = args.out_dir / f"hit_rate-{name}.json"
             png = write_result(result, out, lambda ax, r=result: draw(r, ax))
             print(table(result))
             print(f"wrote {out} and {png}")
             print(f"{name}: {result['wall_s']:.0f} s", flush=True)
             written.append(out)
-    return written
+            results.append(result)
+    groups = summary(results)
+    print(summary_table(groups))
+    out = args.out_dir / ("hit_rate-quick-summary.json" if args.quick else "hit_rate-summary.json")
+    out.write_text(
+        json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "groups": groups}, indent=1)
+    )
+    print(f"wrote {out}")
+    return [*written, out]

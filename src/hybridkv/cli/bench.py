@@ -115,7 +115,8 @@ def hit_rate(
         list[str] | None,
         typer.Option(
             "--trace",
-            help="trace spec, repeatable: chat, agentic, docqa, "
+            help="trace spec, repeatable: a family (tuning: chat, agentic, docqa; held-out: "
+            "sharegpt-like, mooncake-like, coding-agent, rag, mixture, issue29), "
             "mooncake:FILE[:N], sharegpt:FILE (default: chat, agentic, docqa)",
         ),
     ] = None,
@@ -138,6 +139,9 @@ def hit_rate(
         float | None, typer.Option(help="the engine's own KV cache [default: 4, quick: 2]")
     ] = None,
     max_tokens: Annotated[int, typer.Option(help="output tokens per request")] = 1,
+    in_flight: Annotated[
+        int, typer.Option(help="requests in the engine at a time (1: one after the other)")
+    ] = 1,
     limit: Annotated[int | None, typer.Option(help="first N requests of each trace")] = None,
     hybridkv_extra: Annotated[str, typer.Option(help="JSON merged into hybridkv's config")] = "{}",
     quick: Annotated[
@@ -149,8 +153,9 @@ def hit_rate(
     log: Annotated[str | None, typer.Option(help="append engine output to this file")] = None,
 ) -> None:
     """Replay a trace against hybridkv, vLLM's own OffloadingConnector and no connector
-    at equal CPU budgets: token hit rate (vLLM's prefix cache vs the connector), TTFT
-    p50/p90, bytes stored and loaded."""
+    at equal CPU budgets: token hit rate (vLLM's prefix cache vs the connector), as a
+    fraction of the oracle (the best any policy could do), TTFT p50/p90, bytes stored
+    and loaded; tuning and held-out trace families summarized apart."""
     from hybridkv.benchmarks.hit_rate import HitRateSettings, run
 
     try:
@@ -164,6 +169,7 @@ def hit_rate(
             model=model,
             kv_cache_mib=kv_cache_mib,
             max_tokens=max_tokens,
+            in_flight=in_flight,
             limit=limit,
             hybridkv_extra=hybridkv_extra,
             out_dir=out_dir,

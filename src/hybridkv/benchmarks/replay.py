@@ -1,17 +1,23 @@
 """Replay a trace against one vLLM engine in this process, for the hit-rate benchmark
 (`hybridkv.benchmarks.hit_rate`, which starts one such process per system and budget).
 
-    python -m hybridkv.vllm.replay < spec.json   ->  a line `RESULT {...}`
+    python -m hybridkv.benchmarks.replay < spec.json   ->  a line `RESULT {...}`
 
 Spec: {"system": "hybridkv" | "vllm-offload" | "none" ("hybridkv@REV" is hybridkv too:
 the parent put REV's source first on PYTHONPATH), "budget": bytes, "model": dir,
 "trace": path (`Trace.save` format), "kv_cache_bytes", "max_model_len",
-"hybridkv_extra"?: {...}, "offload_extra"?: {...}}.
+"hybridkv_extra"?: {...}, "offload_extra"?: {...}, "in_flight"?: N (1)}.
 
-Requests run one at a time in trace order (one `generate` each, greedy); the wall time
-of that call is the request's TTFT when its max_tokens is 1. Each request's cached
-tokens are split into vLLM's own prefix-cache hit (`num_local_cached_tokens`) and the
-connector's (`num_external_cached_tokens`), read from the engine core's prefill stats.
+Requests are added in trace order, greedy, with at most `in_flight` of them in the
+engine at a time: 1 is the sequential replay (the next request arrives when the last
+one finished); more is a closed loop of that many clients, so requests of different
+sessions share the engine's steps. A request's TTFT is the time from adding it to its
+first output token. Each request's cached tokens are split into vLLM's own prefix-cache
+hit (`num_local_cached_tokens`) and the connector's (`num_external_cached_tokens`), read
+from the engine core's prefill stats. The step at which the scheduler first runs each
+request is recorded: `in_order` says no request ran before one that arrived earlier,
+which is when the oracle's bound holds for the replay (hybridkv.benchmarks.oracle); the
+engine's KV geometry the oracle needs is reported too (`geometry`).
 """
 
 from __future__ import annotations
@@ -20,14 +26,14 @@ import json
 import os
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 OFFLOAD_SPEC = {
     "spec_name": "CPUSyncOffloadingSpec",
-    "spec_module_path": "hybridkv.vllm.offloading_cpu",
+    "spec_module_path": "hybridkv.benchmarks.offloading_cpu",
 }
 SYSTEMS = ("hybridkv", "vllm-offload", "none")
 
@@ -78,10 +84,72 @@ class PrefillSplit:
 
         proc.process_outputs = process_outputs
 
-    def take(self) -> tuple[int, int] | None:
-        values = list(self.last.values())
-        self.last.clear()
-        return values[-1] if values else None
+
+class ScheduleOrder:
+    """The engine step at which the scheduler first runs each request (`first`, by
+    vLLM's internal request id), by wrapping the in-process scheduler's `schedule`."""
+
+    def __init__(self, llm):
+        self.first: dict[str, int] = {}
+        self.steps = 0
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        inner = sched.schedule
+
+        def schedule(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            self.steps += 1
+            for new in out.scheduled_new_reqs:
+                self.first.setdefault(new.req_id, self.steps)
+            return out
+
+        sched.schedule = schedule
+
+
+def serve(llm, requests: list[tuple[list[int], int]], in_flight: int, split: PrefillSplit):
+    """Run `requests` ((prompt, max_tokens) in arrival order) with at most `in_flight` in
+    the engine: per request [prompt, cached, local, external, ttft seconds] and vLLM's
+    internal request id."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    pending = deque(enumerate(requests))
+    started: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    rows: list[list[Any]] = [[] for _ in requests]
+    ids: list[str] = [""] * len(requests)
+    while pending or started:
+        while pending and len(started) < in_flight:
+            i, (prompt, max_tokens) = pending.popleft()
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False)
+            ids[i] = engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompt), params)
+            started[str(i)] = time.perf_counter()
+        for out in engine.step():
+            key = out.request_id
+            if key not in ttft and out.outputs and out.outputs[0].token_ids:
+                ttft[key] = time.perf_counter() - started[key]
+            if out.finished:
+                i = int(key)
+                started.pop(key)
+                cached = out.num_cached_tokens or 0
+                local, external = split.last.pop(ids[i], (cached, 0))
+                rows[i] = [len(requests[i][0]), cached, local, external, ttft.pop(key)]
+    return rows, ids
+
+
+def kv_geometry(llm) -> dict[str, Any]:
+    """What the oracle needs of this engine's KV cache: the layout's groups (unpadded
+    bytes per block, as hybridkv stores them) and the number of blocks in vLLM's pool
+    (one of them its null block)."""
+    from hybridkv.vllm.layout import layout_from_vllm
+
+    kv = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    layout = layout_from_vllm(llm.llm_engine.vllm_config, kv, "replay")
+    groups = [
+        {k: g[k] for k in ("kind", "block_tokens", "block_bytes", "window")}
+        for g in layout.describe()["groups"]
+    ]
+    return {"groups": groups, "num_gpu_blocks": kv.num_blocks}
 
 
 class HybridKVProbe:
@@ -188,12 +256,10 @@ def offload_report(llm) -> dict[str, Any]:
 
 def main() -> None:
     spec = json.load(sys.stdin)
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from hybridkv.core.traces import Trace
+    from hybridkv.benchmarks.traces import Trace
 
     trace = Trace.load(spec["trace"])
+    in_flight = int(spec.get("in_flight", 1))
     load_before = os.getloadavg()
     t_start = time.perf_counter()
     llm = start_engine(spec)
@@ -202,28 +268,19 @@ def main() -> None:
     hybrid = spec["system"].startswith("hybridkv")
     probe = HybridKVProbe(llm) if hybrid else None
 
-    def run(prompt: list[int], max_tokens: int):
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False)
-        t = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-        return out, time.perf_counter() - t
-
     # Warm-up (first-request compilation), with tokens no trace uses (ids >= vocab are
     # out of the model's range, so they are drawn from the trace's own range but with
     # a fixed pattern), then everything it left in any cache is dropped.
     warm = [(i * 7919) % (trace.vocab - 1) + 1 for i in range(300)]
-    run(warm, 1)
-    run(warm[:100], 1)
+    serve(llm, [(warm, 1), (warm[:100], 1)], 1, split)
     llm.reset_prefix_cache(reset_connector=True)
-    split.take()
+    split.last.clear()
+    order = ScheduleOrder(llm)
 
-    rows = []
     t_replay = time.perf_counter()
-    for req in trace:
-        out, dt = run(req.prompt, req.max_tokens)
-        local, external = split.take() or (out.num_cached_tokens or 0, 0)
-        rows.append([len(req.prompt), out.num_cached_tokens or 0, local, external, dt])
+    rows, ids = serve(llm, [(r.prompt, r.max_tokens) for r in trace], in_flight, split)
     replay = time.perf_counter() - t_replay
+    steps = [order.first.get(i, 0) for i in ids]
     if probe is not None:
         connector = probe.report()
     elif spec["system"] == "vllm-offload":
@@ -235,12 +292,16 @@ def main() -> None:
         "budget": spec["budget"],
         "columns": ["prompt", "cached", "local", "external", "seconds"],
         "rows": rows,
+        "in_flight": in_flight,
+        "first_step": steps,
+        "in_order": all(a <= b for a, b in zip(steps, steps[1:], strict=False)),
         "startup_s": startup,
         "loadavg": [load_before, os.getloadavg()],
         "replay_s": replay,
         "connector": connector,
         # vLLM's block (the hit granularity), as the engine resolved it for this model.
         "block_tokens": llm.llm_engine.vllm_config.cache_config.block_size,
+        "geometry": kv_geometry(llm),
     }
     print("RESULT " + json.dumps(result), flush=True)
 

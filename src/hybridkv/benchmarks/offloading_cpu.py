@@ -10,7 +10,7 @@ tensor with plain torch indexing. It is the baseline hybridkv is measured agains
 
     KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
         kv_connector_extra_config={"spec_name": "CPUSyncOffloadingSpec",
-            "spec_module_path": "hybridkv.vllm.offloading_cpu", "cpu_bytes_to_use": N})
+            "spec_module_path": "hybridkv.benchmarks.offloading_cpu", "cpu_bytes_to_use": N})
 """
 
 from __future__ import annotations

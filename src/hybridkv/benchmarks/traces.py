@@ -20,7 +20,10 @@ Generators:
                       fork from the trunk's end and continue a few steps each
   document_qa         D documents, Q questions each, asked in rounds so a document comes
                       back after the others
-Readers: Mooncake JSONL (`read_mooncake`), ShareGPT JSON (`read_sharegpt`).
+Readers: Mooncake JSONL (`read_mooncake`; `mooncake_trace` turns records of that format
+into a trace, for the synthetic Mooncake-like family too), ShareGPT JSON (`read_sharegpt`).
+Workloads from published statistics, held out from tuning, are in `held_out`; every
+family and its group (tuning or held-out) in `families`.
 """
 
 from __future__ import annotations
@@ -100,8 +103,9 @@ class Trace:
 
 
 # ---- reuse analysis ---------------------------------------------------------------------------
-def _chain(prompt: list[int], block: int) -> list[bytes]:
-    """Hash chain over the prompt's full blocks: entry i names tokens [0, (i+1)*block)."""
+def block_chain(prompt: list[int], block: int) -> list[bytes]:
+    """Hash chain over the prompt's full blocks: entry i names tokens [0, (i+1)*block), so
+    two prompts share entry i exactly when they share those tokens."""
     out, h = [], b""
     for i in range(len(prompt) // block):
         h = hashlib.blake2b(
@@ -112,7 +116,7 @@ def _chain(prompt: list[int], block: int) -> list[bytes]:
 
 
 def _block_chains(trace: Trace, block: int) -> set[bytes]:
-    return {h for r in trace for h in _chain(r.prompt, block)}
+    return {h for r in trace for h in block_chain(r.prompt, block)}
 
 
 def reuse_bound(trace: Trace, block: int) -> list[int]:
@@ -123,7 +127,7 @@ def reuse_bound(trace: Trace, block: int) -> list[int]:
     seen: set[bytes] = set()
     out = []
     for r in trace:
-        chain = _chain(r.prompt, block)
+        chain = block_chain(r.prompt, block)
         n = 0
         while n < len(chain) and chain[n] in seen:
             n += 1
@@ -133,11 +137,14 @@ def reuse_bound(trace: Trace, block: int) -> list[int]:
 
 
 # ---- synthetic generators ---------------------------------------------------------------------
-def _rng(seed: int, *parts: object) -> random.Random:
+def seeded(seed: int, *parts: object) -> random.Random:
+    """A generator for one named part of a workload: the same in every process (a string
+    seed, never Python's `hash`), and independent of how many draws other parts made."""
     return random.Random("/".join(str(p) for p in (seed, *parts)))
 
 
-def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    """`n` token ids in [1, vocab): distinct draws rarely share a chunk by chance."""
     return [rng.randrange(1, vocab) for _ in range(n)]
 
 
@@ -146,7 +153,7 @@ def _length(rng: random.Random, mean: int, jitter: float) -> int:
     return max(1, rng.randint(lo, hi))
 
 
-def _turns(
+def conversation(
     rng: random.Random, prompt: list[int], n: int, new: int, answer: int, jitter: float, vocab: int
 ) -> list[list[int]]:
     """`n` prompts of one conversation: the first is `prompt` + about `new` tokens, each
@@ -154,13 +161,13 @@ def _turns(
     out = []
     for i in range(n):
         if i:
-            prompt = prompt + _tokens(rng, _length(rng, answer, jitter), vocab)
-        prompt = prompt + _tokens(rng, _length(rng, new, jitter), vocab)
+            prompt = prompt + random_tokens(rng, _length(rng, answer, jitter), vocab)
+        prompt = prompt + random_tokens(rng, _length(rng, new, jitter), vocab)
         out.append(prompt)
     return out
 
 
-def _interleave(streams: list[list[Any]], concurrency: int, rng: random.Random) -> list[Any]:
+def interleave(streams: list[list[Any]], concurrency: int, rng: random.Random) -> list[Any]:
     """Merge streams in a seeded random order keeping each stream's own order: at most
     `concurrency` streams are open at a time, the next one opens when one ends."""
     pending = list(range(len(streams)))[::-1]
@@ -178,9 +185,10 @@ def _interleave(streams: list[list[Any]], concurrency: int, rng: random.Random) 
     return out
 
 
-def _numbered(
+def numbered_trace(
     name: str, items: list[tuple[list[int], str, str]], vocab: int, max_tokens: int, params: dict
 ) -> Trace:
+    """A trace of (prompt, session, tag) items in the order given."""
     reqs = [
         Request(i, prompt, max_tokens, None, session, tag)
         for i, (prompt, session, tag) in enumerate(items)
@@ -205,15 +213,17 @@ def multi_turn_chat(
     system + user tokens, turn k+1 is turn k's prompt + a synthetic answer + new user
     tokens. User and answer lengths vary by +-`jitter`."""
     params = {k: v for k, v in locals().items()}
-    systems = [_tokens(_rng(seed, "sys", i), system_tokens, vocab) for i in range(system_prompts)]
+    systems = [
+        random_tokens(seeded(seed, "sys", i), system_tokens, vocab) for i in range(system_prompts)
+    ]
     streams = []
     for s in range(sessions):
-        rng = _rng(seed, "chat", s)
+        rng = seeded(seed, "chat", s)
         k = rng.randrange(system_prompts)
-        prompts = _turns(rng, systems[k], turns, user_tokens, answer_tokens, jitter, vocab)
+        prompts = conversation(rng, systems[k], turns, user_tokens, answer_tokens, jitter, vocab)
         streams.append([(p, f"chat{s}", f"sys{k}/turn{t}") for t, p in enumerate(prompts)])
-    order = _interleave(streams, concurrency, _rng(seed, "chat-order"))
-    return _numbered("chat", order, vocab, max_tokens, params)
+    order = interleave(streams, concurrency, seeded(seed, "chat-order"))
+    return numbered_trace("chat", order, vocab, max_tokens, params)
 
 
 def agentic_branching(
@@ -236,24 +246,26 @@ def agentic_branching(
     continuations fork from the trunk's last prompt + answer and run `branch_steps`
     steps each, the branches taking turns. `concurrency` trees are open at a time."""
     params = {k: v for k, v in locals().items()}
-    system = _tokens(_rng(seed, "agent-sys"), system_tokens, vocab)
+    system = random_tokens(seeded(seed, "agent-sys"), system_tokens, vocab)
     streams = []
     for t in range(trees):
-        rng = _rng(seed, "tree", t)
-        history = system + _tokens(rng, history_tokens, vocab)
-        trunk = _turns(rng, history, trunk_steps, step_tokens, answer_tokens, jitter, vocab)
+        rng = seeded(seed, "tree", t)
+        history = system + random_tokens(rng, history_tokens, vocab)
+        trunk = conversation(rng, history, trunk_steps, step_tokens, answer_tokens, jitter, vocab)
         tree = [(p, f"tree{t}", f"trunk/step{s}") for s, p in enumerate(trunk)]
-        fork = trunk[-1] + _tokens(rng, _length(rng, answer_tokens, jitter), vocab)
+        fork = trunk[-1] + random_tokens(rng, _length(rng, answer_tokens, jitter), vocab)
         paths = []
         for b in range(branches):
-            brng = _rng(seed, "tree", t, "branch", b)
-            steps = _turns(brng, fork, branch_steps, step_tokens, answer_tokens, jitter, vocab)
+            brng = seeded(seed, "tree", t, "branch", b)
+            steps = conversation(
+                brng, fork, branch_steps, step_tokens, answer_tokens, jitter, vocab
+            )
             paths.append([(p, f"tree{t}", f"branch{b}/step{s}") for s, p in enumerate(steps)])
         for s in range(branch_steps):  # branches explored side by side
             tree.extend(path[s] for path in paths)
         streams.append(tree)
-    order = _interleave(streams, concurrency, _rng(seed, "agent-order"))
-    return _numbered("agentic", order, vocab, max_tokens, params)
+    order = interleave(streams, concurrency, seeded(seed, "agent-order"))
+    return numbered_trace("agentic", order, vocab, max_tokens, params)
 
 
 def document_qa(
@@ -271,20 +283,20 @@ def document_qa(
     question. Asked in `questions` rounds, each round every document once in a seeded
     order, so a document comes back after the others."""
     params = {k: v for k, v in locals().items()}
-    system = _tokens(_rng(seed, "doc-sys"), system_tokens, vocab)
+    system = random_tokens(seeded(seed, "doc-sys"), system_tokens, vocab)
     docs = []
     for d in range(documents):
-        rng = _rng(seed, "doc", d)
-        docs.append(_tokens(rng, _length(rng, doc_tokens, jitter), vocab))
+        rng = seeded(seed, "doc", d)
+        docs.append(random_tokens(rng, _length(rng, doc_tokens, jitter), vocab))
     items = []
     for q in range(questions):
         order = list(range(documents))
-        _rng(seed, "doc-round", q).shuffle(order)
+        seeded(seed, "doc-round", q).shuffle(order)
         for d in order:
-            rng = _rng(seed, "question", d, q)
-            question = _tokens(rng, _length(rng, question_tokens, 0.5), vocab)
+            rng = seeded(seed, "question", d, q)
+            question = random_tokens(rng, _length(rng, question_tokens, 0.5), vocab)
             items.append((system + docs[d] + question, f"doc{d}", f"q{q}"))
-    return _numbered("docqa", items, vocab, max_tokens, params)
+    return numbered_trace("docqa", items, vocab, max_tokens, params)
 
 
 SYNTHETIC = {"chat": multi_turn_chat, "agentic": agentic_branching, "docqa": document_qa}
@@ -302,38 +314,60 @@ def read_mooncake(
     seed: int = 0,
 ) -> Trace:
     """Mooncake's JSONL (`{"timestamp", "input_length", "output_length", "hash_ids"}`
-    a line; timestamps in ms): every hash id stands for one `block_size`-token block, the
-    same id the same tokens (seeded by the id), so shared ids are shared prefixes.
-    `tokens_per_block` < `block_size` scales the whole trace down for small models
-    (lengths scaled by the same ratio). `max_tokens` overrides the output lengths."""
+    a line; timestamps in ms), read as `mooncake_trace` reads records."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return mooncake_trace(
+        records,
+        f"mooncake-{Path(path).stem}",
+        block_size=block_size,
+        tokens_per_block=tokens_per_block,
+        vocab=vocab,
+        limit=limit,
+        max_tokens=max_tokens,
+        seed=seed,
+        params={"path": str(path)},
+    )
+
+
+def mooncake_trace(
+    records: list[dict[str, Any]],
+    name: str,
+    *,
+    block_size: int = 512,
+    tokens_per_block: int | None = None,
+    vocab: int = 2048,
+    limit: int | None = None,
+    max_tokens: int | None = None,
+    seed: int = 0,
+    params: dict[str, Any] | None = None,
+) -> Trace:
+    """Requests from Mooncake-format records: every hash id stands for one
+    `block_size`-token block, the same id the same tokens (seeded by the id), so shared
+    ids are shared prefixes. `tokens_per_block` < `block_size` scales the whole trace down
+    for small models (lengths scaled by the same ratio). `max_tokens` overrides the output
+    lengths; `limit` keeps the first requests."""
     tpb = tokens_per_block or block_size
     blocks: dict[int, list[int]] = {}
-    reqs = []
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            if limit is not None and len(reqs) >= limit:
-                break
-            rec = json.loads(line)
-            ids = [int(h) for h in rec["hash_ids"]]
-            if not ids:
-                continue
-            for h in ids:
-                if h not in blocks:
-                    blocks[h] = _tokens(_rng(seed, "mooncake", h), tpb, vocab)
-            n = -(-int(rec["input_length"]) * tpb // block_size)
-            n = min(max(n, (len(ids) - 1) * tpb + 1), len(ids) * tpb)
-            prompt = [t for h in ids for t in blocks[h]][:n]
-            out = max_tokens if max_tokens is not None else int(rec.get("output_length", 1))
-            ts = rec.get("timestamp")
-            reqs.append(
-                Request(
-                    len(reqs), prompt, max(out, 1), None if ts is None else ts / 1e3, None, None
-                )
-            )
-    params = {"path": str(path), "block_size": block_size, "tokens_per_block": tpb, "seed": seed}
-    return Trace(f"mooncake-{Path(path).stem}", reqs, vocab, params)
+    reqs: list[Request] = []
+    for rec in records:
+        if limit is not None and len(reqs) >= limit:
+            break
+        ids = [int(h) for h in rec["hash_ids"]]
+        if not ids:
+            continue
+        for h in ids:
+            if h not in blocks:
+                blocks[h] = random_tokens(seeded(seed, "mooncake", h), tpb, vocab)
+        n = -(-int(rec["input_length"]) * tpb // block_size)
+        n = min(max(n, (len(ids) - 1) * tpb + 1), len(ids) * tpb)
+        prompt = [t for h in ids for t in blocks[h]][:n]
+        out = max_tokens if max_tokens is not None else int(rec.get("output_length", 1))
+        ts = rec.get("timestamp")
+        timestamp = None if ts is None else ts / 1e3
+        reqs.append(Request(len(reqs), prompt, max(out, 1), timestamp, rec.get("session"), None))
+    params = {**(params or {}), "block_size": block_size, "tokens_per_block": tpb, "seed": seed}
+    return Trace(name, reqs, vocab, params)
 
 
 _USER = {"human", "user"}
@@ -388,34 +422,9 @@ def read_sharegpt(
             context = context + toks
         if stream:
             streams.append(stream)
-    order = _interleave(streams, concurrency or 1, _rng(seed, "sharegpt-order"))
+    order = interleave(streams, concurrency or 1, seeded(seed, "sharegpt-order"))
     reqs = [Request(i, p, mt, None, s, t) for i, (p, s, t, mt) in enumerate(order)]
     return Trace(f"sharegpt-{Path(path).stem}", reqs, vocab, {"path": str(path), "seed": seed})
-
-
-def make_trace(spec: str, vocab: int = 2048, **overrides: Any) -> Trace:
-    """A trace from a short spec: `chat`, `agentic`, `docqa` (optionally
-    `name:key=value,...` for generator parameters), `mooncake:PATH[:TOKENS_PER_BLOCK]`,
-    `sharegpt:PATH` or `file:PATH` (a trace saved by `Trace.save`)."""
-    kind, _, rest = spec.partition(":")
-    if kind in SYNTHETIC:
-        kwargs: dict[str, Any] = {"vocab": vocab, **overrides}
-        for item in filter(None, rest.split(",")):
-            key, _, value = item.partition("=")
-            kwargs[key] = float(value) if "." in value else int(value)
-        return SYNTHETIC[kind](**kwargs)
-    if kind == "mooncake":
-        file, _, tpb = rest.partition(":")
-        return read_mooncake(
-            file, vocab=vocab, tokens_per_block=int(tpb) if tpb else None, **overrides
-        )
-    if kind == "sharegpt":
-        return read_sharegpt(rest, vocab=vocab, **overrides)
-    if kind == "file":
-        return Trace.load(rest)
-    raise ValueError(
-        f"trace: expected chat, agentic, docqa, mooncake:, sharegpt: or file:, got {spec!r}"
-    )
 
 
 def with_max_tokens(trace: Trace, max_tokens: int) -> Trace:
