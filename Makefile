@@ -43,6 +43,7 @@ bench: setup
 	$(BIN)/python bench/ttft.py --arch gemma3 --json bench/results/ttft-gemma3.json
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/gpu_copy.py  # measures only where torch sees a CUDA device
+	$(BIN)/python bench/gpu_forward_stall.py  # likewise
 
 lint: setup
 	$(BIN)/ruff check src tests bench

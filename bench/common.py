@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import statistics
@@ -70,6 +71,13 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str,
             if r:
                 times[name].append(time.perf_counter() - t)
     return {name: statistics.median(v) for name, v in times.items()}
+
+
+def write_result(result: dict[str, Any], args: Any) -> None:
+    """`result` with the arguments that produced it, as JSON at `args.json`."""
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result | {"args": vars(args) | {"json": str(args.json)}}))
+    print(f"wrote {args.json}")
 
 
 @dataclass

@@ -17,12 +17,18 @@ blocks are checked against the stored ones.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
-from common import RESULTS, FakeCopies, interleaved, torch_gather, torch_scatter
+from common import (
+    RESULTS,
+    FakeCopies,
+    interleaved,
+    torch_gather,
+    torch_scatter,
+    write_result,
+)
 
 from hybridkv.core.canonical import row_table
 from hybridkv.core.cuda_rows import copy_rows_cuda
@@ -126,9 +132,7 @@ def main() -> None:
         print(f"{name:26}{g[plain]:14.2f} GiB/s{g[ours]:10.2f} GiB/s{result[ratio]:7.2f}x")
     kernel = result["store_kernel_gib_s"]
     print(f"store kernel alone (GPU time): {kernel:.2f} GiB/s, {kernel / g['plain_d2h']:.2f}x")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result | {"args": vars(args) | {"json": str(args.json)}}))
-    print(f"wrote {args.json}")
+    write_result(result, args)
 
 
 if __name__ == "__main__":

@@ -266,10 +266,20 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError(f"server not healthy after {timeout} s:\n{self.log_tail()}")
 
-    def reset_prefix_cache(self) -> None:
-        """Empty vLLM's own prefix cache, so the next hit must come from hybridkv."""
-        r = httpx.post(self.base_url + "/reset_prefix_cache", timeout=60)
-        r.raise_for_status()
+    def reset_prefix_cache(self, timeout: float = 60) -> None:
+        """Empty vLLM's own prefix cache, so the next hit must come from hybridkv. vLLM
+        refuses (`success: false`) while any block is held, and a finished request's
+        blocks are held until hybridkv reports its stores landed, a step after its
+        output went out (vLLM's delayed free): so ask until it succeeds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            r = httpx.post(self.base_url + "/reset_prefix_cache", timeout=60)
+            r.raise_for_status()
+            if r.json().get("success", True):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"vLLM kept refusing to reset its prefix cache: {r.text}")
+            time.sleep(0.1)
 
     def metrics(self) -> dict[str, float]:
         r = httpx.get(self.base_url + "/metrics", timeout=30)

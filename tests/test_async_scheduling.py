@@ -8,20 +8,24 @@ through a batch queue the way `EngineCore.step_with_batch_queue` does (two in fl
 under async scheduling), so step N+1 is scheduled before step N's token is known.
 
 A fake model runner executes each step in schedule order, as the worker does: it keeps
-its own block tables and tokens from the scheduler output, "computes" by writing into fake
-KV tensors a digest of the tokens each position saw (an attention slot: the prefix up to
-it; a recurrent group: the prefix up to the step's end, in block `cdiv(end, block) - 1`,
-as vLLM's align mode keeps the running state), then runs hybridkv's worker-role connector
-hooks in vLLM's order. So every stored entry can be checked against the key it is stored
-under: the key is recomputed from the request's final token ids, the bytes must be the
-digest of exactly those tokens. A request starting from a hit checks its blocks the same
-way before it computes on top of them.
+its own block tables and tokens from the scheduler output, zeroes the blocks vLLM tells it
+to (`new_block_ids_to_zero`: newly allocated ones, which a hybrid model's runner zeroes),
+"computes" by writing into a fake KV cache a digest of the tokens each position saw (an
+attention slot: the prefix up to it; a recurrent group: the prefix up to the step's end,
+in block `cdiv(end, block) - 1`, as vLLM's align mode keeps the running state), and runs
+hybridkv's worker-role connector hooks in the order of vLLM's Model Runner V1
+(`handle_preemptions` before the zeroing) or V2 (after it), reporting `finished_sending`
+as vLLM does. So every stored entry can be checked against the key it is stored under:
+the key is recomputed from the request's final token ids, the bytes must be the digest of
+exactly those tokens. A request starting from a hit checks its blocks the same way before
+it computes on top of them.
 """
 
 from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import blake3
@@ -41,8 +45,7 @@ def digest(group: int, tokens) -> torch.Tensor:
     return torch.frombuffer(bytearray(h.digest(DIGEST)), dtype=torch.int8)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def config_dir(tmp_path_factory):
     """A tiny Qwen3-Next config (no weights: nothing is computed)."""
     from transformers import AutoConfig
 
@@ -56,7 +59,12 @@ def model_dir(tmp_path_factory):
     return out
 
 
-def _configs(model_dir, async_scheduling: bool):
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return config_dir(tmp_path_factory)
+
+
+def _configs(model_dir, async_scheduling: bool, num_blocks: int = NUM_BLOCKS):
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import (
@@ -84,7 +92,7 @@ def _configs(model_dir, async_scheduling: bool):
     )
     # The CPU platform turns async scheduling off; on a GPU it is the default.
     vllm_config.scheduler_config.async_scheduling = async_scheduling
-    vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
     attn = FullAttentionSpec(block_size=C, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     assert attn.page_size_bytes == ATTN_PAGE
     gdn = MambaSpec(
@@ -99,7 +107,7 @@ def _configs(model_dir, async_scheduling: bool):
         KVCacheGroupSpec([f"model.layers.{i}.linear_attn"], gdn) for i in range(3)
     ]
     kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups, kv_cache_layout="NHD"
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups, kv_cache_layout="NHD"
     )
     return vllm_config, kv_cache_config
 
@@ -124,6 +132,11 @@ class Engine:
     interrupts: list = field(default_factory=list)
     # (request id, position) -> the token sampled there (else a random one).
     forced: dict = field(default_factory=dict)
+    runner: str = "v1"  # whose hook order: "v1" or "v2" (see `execute`)
+    num_blocks: int = NUM_BLOCKS
+    # Called with the step's number as it starts: where a test lets copies still in
+    # flight (a GPU's side streams) land.
+    copies_land: Callable[[int], None] | None = None
 
     def __post_init__(self):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -140,7 +153,9 @@ class Engine:
         from hybridkv.vllm.connector import HybridKVConnector
         from hybridkv.vllm.layout import group_layer_pages
 
-        vllm_config, kv_cache_config = _configs(self.model_dir, self.async_scheduling)
+        vllm_config, kv_cache_config = _configs(
+            self.model_dir, self.async_scheduling, self.num_blocks
+        )
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
         cls = AsyncScheduler if self.async_scheduling else Scheduler
         self.sched = cls(
@@ -158,14 +173,14 @@ class Engine:
         self.side = self.sched.connector.scheduler_side
         self.worker_conn = HybridKVConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         pages = group_layer_pages(kv_cache_config)
-        self.kv = {
-            name: torch.zeros(NUM_BLOCKS, ATTN_PAGE, dtype=torch.int8)
-            for layers in pages
-            for name, _ in layers
-        }
+        # One tensor shared by a layer of each group, as vLLM lays out a hybrid cache: a
+        # block handed from one group to another is the same memory.
+        shared = torch.zeros(self.num_blocks, ATTN_PAGE, dtype=torch.int8)
+        self.kv = {name: shared for layers in pages for name, _ in layers}
         self.group_kv = [self.kv[layers[0][0]] for layers in pages]
         self.worker_conn.register_kv_caches(self.kv)
         self.worker = self.worker_conn.worker_side
+        self.worker.hook_before_reuse = self.runner == "v1"  # as the connector sets it
         self.rng = random.Random(self.seed)
         self.running: dict[str, _RunnerRequest] = {}
         self.first_start: dict[str, int] = {}  # where each request's first step began
@@ -218,9 +233,22 @@ class Engine:
 
     # ---- the worker's side ------------------------------------------------------------------
     def execute(self, out):
+        """One step of the model runner: V1's `execute_model` calls `handle_preemptions`
+        first, then zeroes the new blocks (`_update_states`); V2's calls it in
+        `pre_forward`, after `update_requests` zeroed them. Then the forward, and the
+        connector's end of step (`start_load_kv`, `wait_for_save`, `get_transfer_results`,
+        `build_connector_worker_meta`)."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         self.steps += 1
+        if self.copies_land is not None:
+            self.copies_land(self.steps)
+        conn = self.worker_conn
+        if self.runner == "v1":
+            conn.handle_preemptions(out.kv_connector_metadata)
+        self.group_kv[0][out.new_block_ids_to_zero or []] = 0
+        if self.runner == "v2":
+            conn.handle_preemptions(out.kv_connector_metadata)
         for req_id in out.finished_req_ids | (out.preempted_req_ids or set()):
             self.running.pop(req_id, None)
         for new in out.scheduled_new_reqs:
@@ -247,12 +275,12 @@ class Engine:
             self.first_start.setdefault(req_id, start)
             sampled.append(self.forward(req_id, start, start + out.num_scheduled_tokens[req_id]))
         # vLLM's KVConnectorModelRunnerMixin: bind, (forward), start_load_kv, wait_for_save.
-        conn = self.worker_conn
         conn.bind_connector_metadata(out.kv_connector_metadata)
         conn.start_load_kv(None)
         conn.wait_for_save()
         results = conn.get_transfer_results(out.finished_req_ids)
         kv_out = KVConnectorOutput(
+            finished_sending=results.finished_sending,
             finished_recving=results.finished_recving,
             failed_recving=results.failed_recving,
             kv_connector_worker_meta=conn.build_connector_worker_meta(),
@@ -342,15 +370,18 @@ class Engine:
         assert index.gauges()["cpu_entries"] == len(stored)
         assert all(index.in_cpu(key) for key in stored)
 
-    def check_settled(self) -> None:
-        """Nothing held, pinned or staged once no request is in flight."""
+    def check_settled(self, lossy: bool = False) -> None:
+        """Nothing held, pinned or staged once no request is in flight; nothing lost
+        unless `lossy` (stores dropped on purpose, and loads of what they held)."""
         assert not self.queue and not self.sched.has_requests()
         assert self.side.index.pinned() == 0
         assert self.side.pending_tags() == 0
         assert self.worker.staged_entries == 0
         assert self.side.stats.hook_errors == 0 and self.worker.stats.hook_errors == 0
-        assert self.worker.stats.failed_stores == 0 and self.side.index.stats.lost == 0
-        assert self.worker.stats.failed_loads == 0
+        assert self.worker.stats.failed_stores == 0
+        assert self.worker.sending.held == 0 and self.worker.restoring == 0
+        if not lossy:
+            assert self.side.index.stats.lost == 0 and self.worker.stats.failed_loads == 0
 
 
 def _prompt(n: int, seed: int) -> list[int]:

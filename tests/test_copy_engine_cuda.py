@@ -1,5 +1,6 @@
-"""The copy engine's CUDA branch on a real GPU: side stream, pinned host entries, loads
-ordered by an event. Skipped where torch sees no CUDA device (CI); run on a lent GPU.
+"""The copy engine's CUDA branch on a real GPU: side streams (one for stores, one for
+loads), pinned host entries, the compute stream held behind a store only when asked.
+Skipped where torch sees no CUDA device (CI); run on a lent GPU.
 
 The fake cache is `test_canonical`'s (every group's layer j overlays one region, a state
 page smaller than the block stride), built once on the CPU and once on the GPU from the
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from test_canonical import GROUPS, LAYERS, NB, PAGE, make_cache
 
 from hybridkv.core.canonical import build_canonical
-from hybridkv.core.copy_engine import CopyEngine
+from hybridkv.core.copy_engine import CopyEngine, Landing
 from hybridkv.core.host_pool import HostPool
 from hybridkv.core.planner import EntryCopy
 
@@ -102,16 +103,17 @@ def test_a_store_sees_what_the_compute_stream_wrote_before_it():
     assert bool((entry == 5).all())
 
 
-def test_an_async_store_returns_before_it_lands_and_later_writes_wait_for_it():
-    """A store does not block the host; its landing says when the bytes are complete;
-    work the engine queues after it (reusing a block) cannot overwrite a block before
-    the copy has read it."""
+def test_a_store_returns_before_it_lands_and_holds_the_compute_stream_only_when_asked():
+    """A store blocks neither the host nor the engine's later work; where a block it
+    reads is about to be reused, `hold_compute` queues the engine's later writes behind
+    its copy."""
     _, gpu, _, engine = pair(6)
     compute = torch.cuda.current_stream()
     busy()
-    gpu.buf.fill_(5)  # what the step's forward wrote, still queued behind the sleep
+    gpu.buf.fill_(5)  # what the step's forward wrote, still queued behind the products
     (entry,), landing = engine.gather_async([EntryCopy(0, 0, (0, 1, 2), (3, 7, 11))])
     assert not landing.done(), "the store waited for the GPU before returning"
+    engine.hold_compute(landing)
     gpu.buf.fill_(9)  # the next step reuses the blocks: queued after the store's copy
     assert not compute.query()
     landing.wait()
@@ -119,6 +121,26 @@ def test_an_async_store_returns_before_it_lands_and_later_writes_wait_for_it():
     assert bool((entry == 5).all()), "a later write of the engine overtook the store's copy"
     torch.cuda.synchronize()
     assert bool((gpu.buf == 9).all())
+
+
+def test_a_store_lands_while_a_load_queued_before_it_still_waits():
+    """Loads and stores run on streams of their own: a store never queues behind a load
+    (here one held back by the stores it reads from, `after`)."""
+    _, _, reference, engine = pair(7)
+    entry = engine.pool.empty(LAYERS * PAGE["full"])
+    entry.fill_(3)
+    elsewhere = torch.cuda.Stream()
+    with torch.cuda.stream(elsewhere):
+        busy()
+        held_back = torch.cuda.Event()
+        held_back.record(elsewhere)
+    load = engine.scatter([(EntryCopy(0, 0, (0,), (10,)), entry)], after=[Landing(held_back)])
+    (stored,), landing = engine.gather_async([EntryCopy(0, 0, (0,), (4,))])
+    landing.wait()
+    assert not load.done(), "the load ran before what it waits for"
+    assert torch.equal(stored, reference.gather([EntryCopy(0, 0, (0,), (4,))])[0])
+    torch.cuda.synchronize()
+    assert load.done()
 
 
 def test_a_load_lands_after_the_compute_stream_zeroes_and_before_it_reads():

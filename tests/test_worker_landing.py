@@ -1,8 +1,10 @@
 """Worker: stores whose bytes are still being copied out (a GPU side stream) reach the
 tiers only once they have landed, serve loads meanwhile, and follow the orders given
-while they were in flight; loads write at most `load_step_bytes` a step and are
-reported only once every entry has landed in its blocks; promotions are reported a
-slice at a time.
+while they were in flight; a finished request vLLM delayed is reported once its stores
+have landed; a store whose block is handed to another request in flight holds the
+compute stream back or is dropped; loads write at most `load_step_bytes` a step and are
+reported only once every entry has landed in its blocks, failed ones once every copy
+they queued has; promotions are reported a slice at a time.
 
 On a CPU cache every store lands at once, so the GPU's pending state is made here by
 holding the `Landing` the copy engine returns open (the one fault this file fakes: no
@@ -225,8 +227,8 @@ def loads_land_with(ws, monkeypatch, landing: Landing) -> None:
     """Loads write their blocks at once (CPU) but say they land when `landing` does."""
     scatter = ws.copies.scatter
 
-    def scatter_until(loads):
-        scatter(loads)
+    def scatter_until(loads, after=()):
+        scatter(loads, after)
         return landing
 
     monkeypatch.setattr(ws.copies, "scatter", scatter_until)
@@ -250,11 +252,11 @@ def test_a_failed_load_copy_fails_every_request_it_touched_and_later_ones_load(w
     scatter = ws.copies.scatter
     calls = []
 
-    def flaky_scatter(loads):
+    def flaky_scatter(loads, after=()):
         calls.append(len(loads))
         if len(calls) == 1:
             raise RuntimeError("device error")
-        return scatter(loads)
+        return scatter(loads, after)
 
     monkeypatch.setattr(ws.copies, "scatter", flaky_scatter)
     meta = load_meta("p", [(b"a", 4)])
@@ -357,3 +359,133 @@ def test_a_promotion_stops_reading_after_a_clear(worker, monkeypatch):
     assert slices == [PROMOTE_SLICE_ENTRIES, PROMOTE_SLICE_ENTRIES]
     assert ws.stats.promoted_entries == PROMOTE_SLICE_ENTRIES
     assert ws.stats.failed_promotions == PROMOTE_SLICE_ENTRIES + 5
+
+
+def test_a_delayed_request_is_reported_once_its_stores_have_landed_and_only_then(worker):
+    """Only the requests the scheduler side delayed are reported (vLLM asserts on any
+    other), each once: one whose stores are in flight when it is named waits for them,
+    one with none in flight goes at once."""
+    ws, _, held = worker
+    ws.end_step(store_meta((b"a", 1)))  # request "r"
+    ws.begin_step(HybridKVMetadata(delayed=["r", "idle"]))
+    assert ws.transfer_results({"r", "idle", "not-delayed"}).sending == {"idle"}
+    assert ws.transfer_results().sending == set()
+    held[0].land()
+    assert ws.transfer_results().sending == {"r"}
+    assert ws.transfer_results().sending == set() and ws.sending.held == 0
+
+
+def test_tags_never_named_are_released_when_their_request_ends(worker):
+    ws, _, held = worker
+    tagged = [TaggedCopy(7, EntryCopy(0, 0, (0,), (4,)))]
+    ws.end_step(HybridKVMetadata(stores=[RequestStore("r", [], tagged)]))
+    held[0].land()
+    ws.report()
+    ws.transfer_results({"other"})
+    assert ws.staged_entries == 1
+    ws.transfer_results({"r"})
+    assert ws.staged_entries == 0
+
+
+def test_a_store_whose_block_is_handed_over_holds_the_compute_stream_behind_it(worker):
+    """Model Runner V1: `handle_preemptions` comes before the step writes the blocks it
+    hands over, so the engine's work waits for the store there (on a CPU cache the
+    thread waits: the held copy lands); a store reading other blocks is not waited for."""
+    ws, _, held = worker
+    ws.end_step(store_meta((b"a", 1)))
+    ws.end_step(store_meta((b"b", 2)))
+    ws.guard(HybridKVMetadata(allocated_blocks=[1, 6]))
+    assert held[0].landed and not held[1].landed
+    assert ws.stats.held_compute == 1 and ws.stats.overtaken_entries == 0
+    held[1].land()
+    ws.report()
+    assert ws.store.cpu.contains(b"a") and ws.store.cpu.contains(b"b")
+
+
+def test_a_store_overtaken_by_the_new_owner_of_its_block_is_dropped_with_a_load_reading_it(
+    worker, monkeypatch
+):
+    """Model Runner V2 calls `handle_preemptions` after its zeroing and state pre-copy:
+    a store still copying a block handed over may have read the new owner's bytes. Its
+    entry is never stored (the index learns it is lost) and a load that read it fails,
+    reported once its own copy has landed."""
+    ws, _, held = worker
+    ws.hook_before_reuse = False
+    ws.end_step(store_meta((b"a", 1), (b"b", 2)))
+    load_held = Held()
+    scatter = ws.copies.scatter
+
+    def queued_behind_the_store(loads, after=()):
+        """On a GPU the load waits for the store on its stream; neither has run yet."""
+        scatter(loads)
+        return load_held
+
+    monkeypatch.setattr(ws.copies, "scatter", queued_behind_the_store)
+    ws.begin_step(load_meta("q", [(b"a", 5)]))
+    ws.guard(HybridKVMetadata(allocated_blocks=[1]))
+    assert not held[0].landed and ws.stats.overtaken_entries == 1
+    assert ws.transfer_results() == TransferResults(set(), set())
+    load_held.land()
+    assert ws.transfer_results() == TransferResults({"q"}, {"q"})
+    held[0].land()
+    report = ws.report()
+    assert not ws.store.cpu.contains(b"a") and ws.store.cpu.contains(b"b")
+    assert report.lost == [b"a"]
+
+
+def test_a_block_going_to_another_connectors_load_drops_the_store_even_under_v1(worker):
+    """Another connector (MultiConnector) may write by RDMA, which no wait on a stream
+    orders."""
+    ws, _, held = worker
+    ws.end_step(store_meta((b"a", 1)))
+    ws.guard(HybridKVMetadata(foreign_blocks=[1]))
+    held[0].land()
+    ws.report()
+    assert not ws.store.cpu.contains(b"a") and ws.stats.overtaken_entries == 1
+
+
+def test_a_failed_load_is_reported_only_once_the_copies_it_queued_have_landed(worker, monkeypatch):
+    """vLLM frees a failed load's blocks as soon as it is reported (recompute), and
+    hands them on; a copy of the load still running would then write them."""
+    ws, cache, _ = worker
+    ws.load_step_bytes = PAGE  # one entry a step
+    put_entries(ws, cache, [(b"a", 0), (b"b", 1)])
+    first = Held()
+    scatter = ws.copies.scatter
+    calls: list[int] = []
+
+    def scatter_then_fault(loads, after=()):
+        calls.append(len(loads))
+        if len(calls) == 2:
+            raise RuntimeError("device error")
+        scatter(loads, after)
+        return first
+
+    monkeypatch.setattr(ws.copies, "scatter", scatter_then_fault)
+    ws.begin_step(load_meta("p", [(b"a", 4), (b"b", 5)]))  # a's copy queued, in flight
+    assert ws.transfer_results() == TransferResults(set(), set())
+    ws.begin_step(HybridKVMetadata(idle=True))  # b's copy raises: p has failed
+    assert ws.transfer_results() == TransferResults(set(), set()), "reported with a copy running"
+    first.land()
+    assert ws.transfer_results() == TransferResults({"p"}, {"p"}) and ws.restoring == 0
+
+
+def test_the_newest_step_whose_stores_have_all_landed_is_reported(worker):
+    """What the scheduler side delays finished requests by: a step counts once every
+    store of it and of the steps before has landed."""
+    ws, _, held = worker
+    for step, block in ((1, 1), (2, 2), (3, 3)):
+        meta = store_meta((b"k%d" % step, block))
+        meta.step = step
+        ws.begin_step(meta)
+        ws.end_step(meta)
+    assert ws.landed_through() == 0
+    held[1].land()  # step 2's copy is done, step 1's not: neither counts yet
+    ws.report()
+    assert ws.landed_through() == 0
+    held[0].land()
+    ws.report()
+    assert ws.landed_through() == 2
+    held[2].land()
+    ws.report()
+    assert ws.landed_through() == 3

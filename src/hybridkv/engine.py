@@ -92,12 +92,28 @@ def generate(
     salted = {"cache_salt": salt} if salt is not None else {}
     inputs = [TokensPrompt(prompt_token_ids=p, **salted) for p in prompts]
     outs = llm.generate(inputs, params, use_tqdm=False)
+    release_finished(llm)
     result = []
     for o in outs:
         c = o.outputs[0]
         lps = [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids, strict=True)]
         result.append(Generation(list(c.token_ids), lps, o.num_cached_tokens or 0))
     return result
+
+
+def release_finished(llm, max_steps: int = 1000) -> None:
+    """Step an in-process engine until vLLM has freed every finished request's blocks.
+
+    A request whose stores may still read its blocks finishes with them held (vLLM's
+    delayed free: hybridkv reports it in `finished_sending` at a later step, at the next
+    one on a CPU), while `LLM.generate` returns as soon as its outputs are complete; a
+    `reset_prefix_cache` right after would find blocks in use and do nothing. An engine
+    core in its own process steps on by itself."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    for _ in range(max_steps if core is not None else 0):
+        if not core.scheduler.has_finished_requests():
+            return
+        llm.llm_engine.step()
 
 
 def shutdown(llm) -> None:

@@ -257,6 +257,7 @@ def offload_report(llm) -> dict[str, Any]:
 def main() -> None:
     spec = json.load(sys.stdin)
     from hybridkv.benchmarks.traces import Trace
+    from hybridkv.engine import release_finished
 
     trace = Trace.load(spec["trace"])
     in_flight = int(spec.get("in_flight", 1))
@@ -273,6 +274,7 @@ def main() -> None:
     # a fixed pattern), then everything it left in any cache is dropped.
     warm = [(i * 7919) % (trace.vocab - 1) + 1 for i in range(300)]
     serve(llm, [(warm, 1), (warm[:100], 1)], 1, split)
+    release_finished(llm)  # vLLM keeps a request's blocks a step for hybridkv's stores
     llm.reset_prefix_cache(reset_connector=True)
     split.last.clear()
     order = ScheduleOrder(llm)

@@ -5,27 +5,25 @@ bytes travel and how the copies are ordered against the engine's own work.
 
 * CPU cache: all copies of a call become one table of row copies, run natively across
   threads (`row_copy.py`) straight between cache and entries, before the call returns.
-* CUDA cache: the same table, run by one Triton kernel (`cuda_rows.py`) on a side stream
-  straight between device pages and pinned host entries. The stream first waits for the
-  compute stream, so it sees what the engine wrote (KV of this step for a store; vLLM's
-  zeroing of newly allocated blocks for a load). Neither direction blocks the CPU:
+* CUDA cache: the same table, run by one Triton kernel (`cuda_rows.py`) straight between
+  device pages and pinned host entries, on one of two side streams: stores on one, loads
+  on the other, so a store never queues behind a load. Each first waits for the compute
+  stream, so it sees what the engine wrote (KV of this step for a store; vLLM's zeroing
+  of newly allocated blocks for a load). Nothing blocks the CPU, and the compute stream
+  waits for neither:
   - a store (`gather_async`) returns its entries with a `Landing` that says when their
-    bytes are complete (the caller hands them to the tiers only then), and the compute
-    stream waits for the copy on the GPU, so no later work of the engine (a forward,
-    Model Runner V2's state pre-copy, the zeroing of a reallocated block) can overwrite
-    a block before the copy has read it. Model Runner V2 runs its state pre-copy before
-    the first connector hook of a step, so a per-block flush decided at that hook (vLLM's
-    own offloading connector) would come too late for recurrent blocks; the GPU-side
-    wait is right by construction and costs the copy's time on the GPU, never a CPU
-    stall.
-  - a load (`scatter`) returns a `Landing` too, and the compute stream does not wait
-    for it: the blocks belong to a request that vLLM keeps out of every forward until
-    the connector reports its load finished, which the worker does only once the
-    landing is done (and an aborted request's blocks are not freed before that report
-    either). A large restore thus overlaps the forwards of the requests decoding
-    meanwhile. An entry stays referenced until the copy that reads it has run.
-  Loads and stores share the side stream, so a load that reads an entry whose store
-  has not landed yet still reads complete bytes.
+    bytes are complete (the caller hands them to the tiers only then). The blocks it
+    reads must stay intact until then; what keeps each kind of block intact (vLLM's
+    delayed free, a wait of the compute stream where nothing else does) is decided by
+    the worker from what vLLM frees when (`vllm/worker_side.py`), which orders the
+    compute stream behind a store with `hold_compute` where it must.
+  - a load (`scatter`) returns a `Landing` too: its blocks belong to a request that vLLM
+    keeps out of every forward until the connector reports its load finished, which the
+    worker does only once the landing is done, failed or not (vLLM frees or reuses the
+    blocks of a failed load once it is reported). A large restore thus overlaps the
+    forwards of the requests decoding meanwhile, and the next forward never waits for
+    it. An entry stays referenced until the copy that reads it has run; a load that
+    reads an entry whose store has not landed yet waits for that store (`after`).
 """
 
 from __future__ import annotations
@@ -52,8 +50,14 @@ class Landing:
         return self._event is None or self._event.query()
 
     def wait(self) -> None:
+        """Block the calling thread until the copy is complete."""
         if self._event is not None:
             self._event.synchronize()
+
+    def order(self, stream: torch.cuda.Stream) -> None:
+        """Make work queued on `stream` from now on wait for the copy, on the GPU."""
+        if self._event is not None:
+            stream.wait_event(self._event)
 
 
 LANDED = Landing()
@@ -67,7 +71,8 @@ class CopyEngine:
         self.pool = pool or HostPool(pin=self.cuda)
         if self.cuda and not self.pool.pin:
             raise ValueError("a GPU engine's entries need a pinned host pool")
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._stores = torch.cuda.Stream(self.device) if self.cuda else None
+        self._loads = torch.cuda.Stream(self.device) if self.cuda else None
         if self.cuda:
             # Triton comes with vLLM's GPU builds; CPU engines never import it.
             from hybridkv.core.cuda_rows import copy_rows_cuda
@@ -75,7 +80,7 @@ class CopyEngine:
             self._copy_rows_cuda = copy_rows_cuda
         # Loads still running on the GPU, with the host entries they read: an entry's
         # slot must not be reused (a disk read writes from the CPU) before the copy ends.
-        self._inflight: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
+        self._inflight: list[tuple[Landing, list[torch.Tensor]]] = []
 
     def gather(self, copies: Sequence[EntryCopy]) -> list[torch.Tensor]:
         """`gather_async`, returning once the entries are complete."""
@@ -85,44 +90,57 @@ class CopyEngine:
 
     def gather_async(self, copies: Sequence[EntryCopy]) -> tuple[list[torch.Tensor], Landing]:
         """One new host entry per copy: its group's blocks `block_ids`, layer-major; their
-        bytes are complete once the `Landing` is done."""
+        bytes are complete once the `Landing` is done. The engine's later work does not
+        wait for it (see `hold_compute`)."""
         outs = [self.pool.empty(len(c.block_ids) * self.kv.block_bytes(c.group)) for c in copies]
         # A new entry holds its blocks in order: row k is block_ids[k].
         table = self._host_table(copies, outs, to_engine=False)
         if not self.cuda:
             copy_rows(table)
             return outs, LANDED
-        stream = self._stream
-        compute = torch.cuda.current_stream(self.device)
-        stream.wait_stream(compute)
-        with torch.cuda.stream(stream):
-            self._copy_rows_cuda(table, self.device)
-        done = torch.cuda.Event()
-        done.record(stream)
-        compute.wait_event(done)
-        return outs, Landing(done)
+        return outs, self._run(self._stores, table)
 
-    def scatter(self, loads: Sequence[tuple[EntryCopy, torch.Tensor]]) -> Landing:
-        """Write rows `slots` of each entry into engine blocks `block_ids`; the blocks
-        hold them once the `Landing` is done."""
+    def scatter(
+        self, loads: Sequence[tuple[EntryCopy, torch.Tensor]], after: Sequence[Landing] = ()
+    ) -> Landing:
+        """Write rows `slots` of each entry into engine blocks `block_ids` once the stores
+        `after` (whose entries it reads) have landed; the blocks hold them once the
+        returned `Landing` is done."""
         if not self.cuda:
+            for landing in after:
+                landing.wait()
             copy_rows(self._host_table([c for c, _ in loads], [e for _, e in loads], True))
             return LANDED
-        self._inflight = [(ev, held) for ev, held in self._inflight if not ev.query()]
+        self._inflight = [(ld, held) for ld, held in self._inflight if not ld.done()]
         if not loads:
             return LANDED
         # The kernel reads host entries in place, which the GPU can only do in pinned
         # memory. Entries from the pool are pinned; any other is pinned as a copy.
         entries = [e if e.is_pinned() else e.pin_memory() for _, e in loads]
         table = self._host_table([c for c, _ in loads], entries, to_engine=True)
-        stream = self._stream
-        compute = torch.cuda.current_stream(self.device)
-        stream.wait_stream(compute)
+        for landing in after:
+            landing.order(self._loads)
+        landing = self._run(self._loads, table)
+        self._inflight.append((landing, entries))
+        return landing
+
+    def hold_compute(self, landing: Landing) -> None:
+        """Make the engine's own work queued from now on (the compute stream's zeroing,
+        state copies and forwards) wait for `landing`: for a store whose blocks vLLM is
+        about to hand to another request. On a CPU cache the engine's work runs in the
+        calling thread, which waits."""
+        if self.cuda:
+            landing.order(torch.cuda.current_stream(self.device))
+        else:
+            landing.wait()
+
+    def _run(self, stream: torch.cuda.Stream, table: np.ndarray) -> Landing:
+        """Run `table` on `stream` after what the compute stream has queued so far."""
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._copy_rows_cuda(table, self.device)
         done = torch.cuda.Event()
         done.record(stream)
-        self._inflight.append((done, entries))
         return Landing(done)
 
     def _host_table(

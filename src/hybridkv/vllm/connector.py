@@ -257,6 +257,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 store,
                 vllm_config.parallel_config.rank,
                 load_step_bytes=self.config.load_step_bytes,
+                hook_before_reuse=not vllm_config.use_v2_model_runner,
             )
             self._reporter = metrics.Reporter(f"rank{self.worker_side.rank}")
         self._all_groups = tuple(range(len(self.layout.groups)))
@@ -302,6 +303,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, HybridKVWorkerMeta):
             self.scheduler_side.worker_reports(meta.reports)
+            self.scheduler_side.stores_landed(meta.landed)
         self.scheduler_side.loads_failed(connector_output.failed_recving or ())
 
     @_guarded(lambda: (False, None))
@@ -314,6 +316,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """True while stores may still read the request's blocks: vLLM keeps them until
+        every rank reports the request in `finished_sending` (`get_transfer_results`)."""
         return self.scheduler_side.request_finished(request), None
 
     @_guarded(list)
@@ -333,6 +337,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_side.register(
             kv_caches, group_layer_pages(self._kv_cache_config), self._kv_cache_config.num_blocks
         )
+
+    @_guarded(lambda: None)
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """The first hook of a step: stores still reading blocks the step's schedule
+        handed to another request (a preempted one's, a retired state, a window's past)
+        are ordered ahead of the step's writes or dropped (`WorkerSide.guard`)."""
+        assert isinstance(kv_connector_metadata, HybridKVMetadata)
+        self.worker_side.guard(kv_connector_metadata)
 
     @_guarded(lambda: None)
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -359,18 +371,22 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_guarded(lambda: None)
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        report = self.worker_side.report()
-        return HybridKVWorkerMeta({self.worker_side.rank: report}) if report else None
+        report, rank = self.worker_side.report(), self.worker_side.rank
+        landed = {rank: self.worker_side.landed_through()}
+        return HybridKVWorkerMeta({rank: report} if report else {}, landed)
 
     @_guarded(lambda: KVConnectorTransferResults())
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        done = self.worker_side.transfer_results()
+        done = self.worker_side.transfer_results(finished_req_ids)
         return KVConnectorTransferResults(
-            finished_recving=done.received, failed_recving=done.failed
+            finished_sending=done.sending,
+            finished_recving=done.received,
+            failed_recving=done.failed,
         )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Unused: `get_transfer_results` reports loads, with their failures."""
+        """Unused: `get_transfer_results` reports loads, with their failures, and the
+        requests whose blocks were kept for stores."""
         return None, None
 
     def get_external_cache_hit_sources(

@@ -73,17 +73,33 @@ class HybridKVMetadata(KVConnectorMetadata):
     stores: list[RequestStore] = field(default_factory=list)
     orders: Orders = field(default_factory=Orders)
     idle: bool = False  # the step schedules no tokens: no forward runs in it
+    step: int = 0  # the scheduler side's count of the steps it built, this one's included
+    # Requests finished since the last step whose blocks vLLM keeps until every rank
+    # reports them in `finished_sending` (`request_finished` returned True).
+    delayed: list[str] = field(default_factory=list)
+    # Blocks this step's schedule handed to a request: the step's zeroing, state copies,
+    # forward and hybridkv's loads write them, in the compute stream's order. A store
+    # still reading one lands first or is dropped (vllm/handover.py, `WorkerSide.guard`).
+    allocated_blocks: list[int] = field(default_factory=list)
+    # Blocks handed over that another connector loads into (MultiConnector; all of them
+    # in a step with synchronous loads): those writes (RDMA) follow no stream of ours.
+    foreign_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
 class HybridKVWorkerMeta(KVConnectorWorkerMetadata):
-    """Each rank's report; vLLM merges the ranks' with `aggregate`."""
+    """Each rank's report, and the newest step whose stores have all landed on it (their
+    blocks are read no more); vLLM merges the ranks' with `aggregate`."""
 
     reports: dict[int, WorkerReport] = field(default_factory=dict)
+    landed: dict[int, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, HybridKVWorkerMeta)
         merged = dict(self.reports)
         for rank, report in other.reports.items():
             merged[rank] = merged[rank].merge(report) if rank in merged else report
-        return HybridKVWorkerMeta(merged)
+        landed = dict(self.landed)
+        for rank, step in other.landed.items():
+            landed[rank] = max(landed.get(rank, step), step)
+        return HybridKVWorkerMeta(merged, landed)

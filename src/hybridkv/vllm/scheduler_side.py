@@ -32,6 +32,7 @@ from hybridkv.core.metrics import Figures
 from hybridkv.core.planner import NULL_BLOCK, EntryCopy, Planner
 from hybridkv.core.policy import CheckpointPolicy, StateAction
 from hybridkv.core.probe import Probe
+from hybridkv.vllm.handover import Handover
 from hybridkv.vllm.kv_events import KVEvents
 from hybridkv.vllm.metadata import (
     HybridKVMetadata,
@@ -121,6 +122,9 @@ class _RequestState:
     # Attention chunks it stored, pinned until it finishes (with recurrent groups: they
     # serve no hit until its boundary is stored, so they must not go as orphans first).
     owned: list[bytes] = field(default_factory=list)
+    # (its `num_preemptions`, the step) when a store was last planned on its blocks
+    # (None: none since vLLM allocated them): its finish may wait for that store.
+    stored_at: tuple[int, int] | None = None
 
 
 class SchedulerSide:
@@ -170,6 +174,13 @@ class SchedulerSide:
         self._tagged: set[str] = set()  # requests with tagged stores
         # Tagged stores of finished requests, settled at finish: (index epoch, names).
         self._settled: list[tuple[int, RequestStore]] = []
+        # Finished requests whose blocks vLLM keeps for the workers' stores, to name in
+        # the next step's metadata; the blocks each schedule hands over; the steps built,
+        # and by rank the newest whose stores have all landed.
+        self._delayed: list[str] = []
+        self.handover = Handover([g.block_tokens for g in layout.groups])
+        self._step = 0
+        self._landed: dict[int, int] = {}
         self.stats = SchedulerStats()
         self._last_log = self._started = time.monotonic()
 
@@ -406,9 +417,11 @@ class SchedulerSide:
         """Plan the load of a reported hit. vLLM calls this a second time once the load
         is done (with no external tokens), and for requests without a hit."""
         req_id = request.request_id
+        self.handover.admitted(req_id, blocks, num_external > 0)
         st = self._reqs.get(req_id)
         if st is None:
             return
+        st.stored_at = None  # new blocks (a request is admitted only from waiting)
         hit, st.hit = st.hit, None
         if num_external == 0:
             self._pin(st, [])
@@ -443,6 +456,10 @@ class SchedulerSide:
         vLLM waits for each one to be reported."""
         meta = HybridKVMetadata(loads=self._loads, idle=out.total_num_scheduled_tokens == 0)
         self._loads = []
+        self._step += 1
+        meta.step = self._step
+        meta.delayed, self._delayed = self._delayed, []
+        meta.allocated_blocks, meta.foreign_blocks = self.handover.take(out)
         if self.enabled:
             try:
                 meta.stores = self._plan_stores(out)
@@ -516,6 +533,7 @@ class SchedulerSide:
             keyed = self._name(st, [(c, staged) for e, c, staged in plan if e <= known])
             tagged = self._tag(st, [(e, c, staged) for e, c, staged in plan if e > known])
             if keyed or tagged:
+                st.stored_at = (req.num_preemptions, self._step)
                 stores.append(RequestStore(req_id, keyed, tagged))
         return stores
 
@@ -820,6 +838,11 @@ class SchedulerSide:
                     if not ok:
                         self.probe.failed(key)
 
+    def stores_landed(self, landed: dict[int, int]) -> None:
+        """Each rank's newest step whose stores have all landed."""
+        for rank, step in landed.items():
+            self._landed[rank] = max(self._landed.get(rank, 0), step)
+
     def loads_failed(self, req_ids: Iterable[str]) -> None:
         """vLLM recomputes these requests: never offer them a hit again, so a fault that
         repeats cannot make a request loop (the workers report the entries they missed
@@ -830,11 +853,19 @@ class SchedulerSide:
                 st.load_failed = True
 
     def request_finished(self, request: Request) -> bool:
-        """Forget the request and release its pins. Stores are copied out within each
-        step, so no block is still being read and vLLM may free them at once. A load
-        already planned keeps its pins until it is sent (vLLM keeps the blocks until the
-        load is reported)."""
+        """Forget the request and release its pins; whether vLLM must keep its blocks
+        until the workers report it in `finished_sending` (vllm/delayed_free.py): while a
+        store planned on them may still be copying them out, i.e. some rank has not
+        reported its step's stores landed (on a GPU a store lands after its step; on a
+        CPU within it, but vLLM hands a step's report to `update_connector_output` only
+        after the requests that step finished, so a store in a request's last step
+        delays it one step). A request waiting for a load, hybridkv's or another
+        connector's, has had no store planned since vLLM allocated its blocks: vLLM
+        keeps them until the load is reported and then frees them itself (a second
+        report would find the request gone). A load already planned keeps its pins
+        until it is sent."""
         st = self._reqs.pop(request.request_id, None)
+        delay = False
         if st is not None:
             self._pin(st, [])
             self._finish_tagged(st)  # may store (and pin) its last chunks and state: first
@@ -842,7 +873,12 @@ class SchedulerSide:
             self.index.unpin(st.staged)
             if self.below:  # its last decode-time state, in CPU memory only until now
                 self.index.persist(st.staged)
-        return False
+            landed = min(self._landed.get(rank, 0) for rank in range(self.index.ranks))
+            preemptions, step = st.stored_at or (-1, 0)
+            delay = preemptions == request.num_preemptions and step > landed
+        if delay:
+            self._delayed.append(request.request_id)
+        return delay
 
     def reset(self) -> None:
         """Forget this engine's view: the index (the workers then drop what they stored,

@@ -3,6 +3,9 @@ rank's KV cache. It holds the rank's share of every entry and does what the step
 orders say; it decides nothing.
 
 Each step (vLLM calls the hooks in this order):
+0. `guard` (`handle_preemptions`): stores still copying out blocks that this step's
+   schedule hands to another request either hold the engine's compute stream back (Model
+   Runner V1) or are dropped (see `guard`).
 1. `begin_step` (`start_load_kv`): a clear first, if ordered; then the entries tagged in
    earlier steps that the scheduler side names now, stored (or dropped); then the step's
    loads, queued behind earlier ones with their entries held, and written from CPU
@@ -20,7 +23,8 @@ Each step (vLLM calls the hooks in this order):
    a lower tier: their writes and deletes are queued for their own threads.
 3. `report` (`build_connector_worker_meta`): promotions done, disk entries come and
    gone, entries lost; and `transfer_results`: the requests whose every entry has
-   landed in its blocks.
+   landed in its blocks (or, failed, whose every queued copy has), and the finished
+   requests whose blocks vLLM kept for stores that have landed now (`delayed_free.py`).
 
 Every hit is an asynchronous load in vLLM's terms: the request is not in the step's
 forward while its blocks are written, and a load that fails is reported for that one
@@ -48,6 +52,7 @@ from hybridkv.core.metrics import Figures, Observations
 from hybridkv.core.planner import EntryCopy, Planner
 from hybridkv.core.store import TieredStore
 from hybridkv.core.tiers.memory import MemoryTier
+from hybridkv.vllm.delayed_free import DelayedFree
 from hybridkv.vllm.metadata import HybridKVMetadata
 
 log = logging.getLogger(__name__)
@@ -74,6 +79,9 @@ class WorkerStats:
     promoted_entries: int = 0  # read from disk into CPU memory
     failed_promotions: int = 0
     hook_errors: int = 0  # exceptions caught at the connector boundary
+    # Where a block still being copied out went to another request (`WorkerSide.guard`):
+    held_compute: int = 0  # steps whose compute stream waited for a store
+    overtaken_entries: int = 0  # entries dropped: no wait could come before the writes
     # Bytes of entries read out of each tier: CPU memory by restores, lower tiers by
     # promotions.
     read_bytes: dict[str, int] = field(default_factory=dict)
@@ -100,34 +108,52 @@ class _Landing:
     landing: Landing
     items: list[_Store]
     hold: list[torch.Tensor | None] = field(default_factory=list)
+    reads: list[frozenset[int]] = field(default_factory=list)  # each held entry's blocks
     started: float | None = None  # perf_counter() when a step's stores began (timed)
+    step: int = 0  # the step whose metadata planned them (`HybridKVMetadata.step`)
 
 
 @dataclass
 class _Restore:
     """A request's load not reported yet: the entries still to write (held here: the
     index may evict them once the load is sent, and a held entry's memory is not
-    reused), and the copy that wrote the last ones."""
+    reused), and the copy that wrote the last ones (batches of a load run in order)."""
 
     req_id: str
     pending: list[tuple[EntryCopy, torch.Tensor]]
     landing: Landing = LANDED
+    # Entries read from stores still landing, by id(): the store each waits for.
+    sources: dict[int, Landing] = field(default_factory=dict)
+    failed: bool = False  # reported failed once its queued copies have landed
 
 
 @dataclass
 class TransferResults:
     received: set[str]
     failed: set[str]
+    sending: set[str] = field(default_factory=set)  # delayed requests now released
 
 
 class WorkerSide:
     def __init__(
-        self, planner: Planner, store: TieredStore, rank: int = 0, load_step_bytes: int = 0
+        self,
+        planner: Planner,
+        store: TieredStore,
+        rank: int = 0,
+        load_step_bytes: int = 0,
+        hook_before_reuse: bool = True,
     ):
+        """`hook_before_reuse`: vLLM calls `handle_preemptions` before the step writes
+        the blocks its schedule handed over (Model Runner V1; V2 calls it after its
+        zeroing and state pre-copy): see `guard`."""
         self.planner = planner
         self.store = store
         self.rank = rank
         self.load_step_bytes = load_step_bytes  # 0: every load in the step it is sent
+        self.hook_before_reuse = hook_before_reuse
+        self.sending = DelayedFree()
+        self._guarded: HybridKVMetadata | None = None  # the last step `guard` saw
+        self._step = 0  # the current step's `HybridKVMetadata.step`
         self._restores: list[_Restore] = []  # loads not reported yet, oldest first
         self.copies: CopyEngine | None = None
         self.epoch = 0
@@ -143,8 +169,10 @@ class WorkerSide:
         )
         self._promotions: list[Future] = []
         self._idle = False
-        # Entries gathered before their keys were known, by tag, until named or dropped.
-        self._staged: dict[int, tuple[torch.Tensor, Landing]] = {}
+        # Entries gathered before their keys were known, by tag, until named or dropped,
+        # and each request's tags (released with the request if never named).
+        self._staged: dict[int, tuple[torch.Tensor | None, Landing]] = {}
+        self._tags: dict[str, list[int]] = {}
         # Stores still being copied out, oldest first (see `_land`).
         self._landing: list[_Landing] = []
         self.stats = WorkerStats()
@@ -174,13 +202,72 @@ class WorkerSide:
         with self._lock:
             self._report.lost.append(key)
 
+    # ---- 0. blocks handed over while stores still read them ------------------------------------
+    def guard(self, meta: HybridKVMetadata, hook: bool = True) -> None:
+        """Keep the stores in flight from copying blocks that this step's schedule handed
+        to a request (`meta.allocated_blocks`, `meta.foreign_blocks`: vllm/handover.py,
+        which says which blocks vLLM frees while their request runs), once per step.
+
+        The stores still in `_landing` are those that had not landed at the previous
+        step's last hook; every other one landed before anything of this step was
+        queued. `hook`: called from `handle_preemptions`. Model Runner V1 calls it first
+        in `execute_model`, before `_update_states` zeroes new blocks and
+        `preprocess_mamba` copies states into them: there the compute stream waits for
+        the newest store reading a block handed over, so no write of the step overtakes
+        it (hybridkv's own loads wait for the compute stream). That is the one wait on
+        the compute stream, and only a step that hands over a block still being read
+        pays it; the step's token was sampled before it. Where no wait can come first
+        (Model Runner V2 calls the hook after `update_requests` zeroed the new blocks and
+        `preprocess_state` copied states into them; another connector's load writes
+        outside the streams; this hook not called at all), the entries copied from such
+        a block are dropped, never stored, and a load that read one fails (vLLM
+        recomputes it): a lost hit, never wrong bytes."""
+        if meta is self._guarded:
+            return
+        handed, foreign = set(meta.allocated_blocks), set(meta.foreign_blocks)
+        ordered = hook and self.hook_before_reuse
+        newest: Landing | None = None
+        overtaken: set[int] = set()
+        for pending in self._landing if handed or foreign else ():
+            for entry, reads in zip(pending.hold, pending.reads, strict=True):
+                if entry is None or not reads & (handed | foreign):
+                    continue
+                if ordered and not reads & foreign:
+                    newest = pending.landing
+                else:
+                    overtaken.add(id(entry))
+        if newest is not None:
+            self.copies.hold_compute(newest)
+            self.stats.held_compute += 1
+        if overtaken:
+            self._overtaken(overtaken)
+        self._guarded = meta
+
+    def _overtaken(self, ids: set[int]) -> None:
+        """Drop the entries `ids` (by id()) wherever they wait: stores landing, tags,
+        loads reading them."""
+        log.info("hybridkv: %d stored entries lost their blocks in flight; dropped", len(ids))
+        self.stats.overtaken_entries += len(ids)
+        for pending in self._landing:
+            pending.items = [
+                s._replace(entry=None) if s.entry is not None and id(s.entry) in ids else s
+                for s in pending.items
+            ]
+        for tag, (entry, landing) in self._staged.items():
+            if entry is not None and id(entry) in ids:
+                self._staged[tag] = (None, landing)
+        self._fail_restores([r for r in self._restores if ids & r.sources.keys()])
+
     # ---- 1. start of the step: clear, loads, promotions ----------------------------------------
     def begin_step(self, meta: HybridKVMetadata) -> None:
         """Whatever fails on the way, every load of the step is still reported (vLLM
         keeps its request waiting until it is)."""
         self._idle = meta.idle
         self.epoch = meta.epoch
+        self._step = meta.step
+        self.sending.delayed(meta.delayed)
         try:
+            self.guard(meta, hook=False)  # unless `handle_preemptions` did
             self._land()
             if meta.orders.clear:
                 self._clear()
@@ -212,23 +299,26 @@ class WorkerSide:
         pinned it there, so only a fault can cause this) loads nothing and is reported
         failed; so is every request a failed copy touched."""
         for job in meta.loads:
-            entries = None if job.failed else self._entries(job.req_id, job.copies)
-            if entries is None:
+            found = None if job.failed else self._entries(job.req_id, job.copies)
+            if found is None:
                 self._fail(job.req_id)
             else:
+                entries, sources = found
                 pending = [(kc.copy, e) for kc, e in zip(job.copies, entries, strict=True)]
-                self._restores.append(_Restore(job.req_id, pending))
+                self._restores.append(_Restore(job.req_id, pending, sources=sources))
         batch, touched, spent = self._next_batch()  # every entry's group checked above
         if not batch:
             return
+        sources = {k: landing for r in touched for k, landing in r.sources.items()}
+        after = {id(a): a for _, e in batch if (a := sources.get(id(e))) is not None}
         try:
             started = time.perf_counter()
-            landing = self.copies.scatter(batch)
+            landing = self.copies.scatter(batch, list(after.values()))
             self._observe("load_seconds", "cpu", started)
         except Exception:
             # Blocks may be half written; vLLM recomputes every one of these requests.
             log.exception("hybridkv: restoring %d requests failed", len(touched))
-            self._drop_failed(touched)
+            self._fail_restores(touched)
             return
         for restore in touched:
             restore.landing = landing
@@ -257,17 +347,23 @@ class WorkerSide:
                 break
         return batch, touched, spent
 
-    def _drop_failed(self, restores: list[_Restore]) -> None:
-        """Report `restores` failed (vLLM recomputes them) and stop writing them."""
+    def _fail_restores(self, restores: list[_Restore]) -> None:
+        """Stop writing `restores`; they are reported failed (vLLM recomputes them) once
+        the copies they queued have landed. vLLM frees or hands on a failed load's
+        blocks as soon as it is reported (`kv_load_failure_policy="recompute"`:
+        `Scheduler._update_waiting_for_remote_kv` frees them), while a copy still running
+        would write them, behind whatever another connector (RDMA) or the compute stream
+        writes there by then."""
         for restore in restores:
-            self._fail(restore.req_id)
-            self._restores.remove(restore)
+            restore.failed = True
+            restore.pending = []
 
     def _finish_loads(self) -> None:
         """Report the requests whose every entry is written and landed (a GPU copy runs
         on a side stream: vLLM schedules the request only once it is reported, so its
-        forward never reads a block still being written). A copy that cannot say it
-        landed (a device error) fails its requests: they must not wait forever."""
+        forward never reads a block still being written), failed ones once what they
+        queued has landed. A copy that cannot say it landed (a device error) fails its
+        requests at once: they must not wait forever, and it writes nothing any more."""
         done, broken = [], []
         for restore in self._restores:
             if restore.pending:
@@ -278,19 +374,31 @@ class WorkerSide:
             except Exception:
                 log.exception("hybridkv: a load's copy failed; %s is recomputed", restore.req_id)
                 broken.append(restore)
-        self._drop_failed(broken)
-        for restore in done:
+        for restore in done + broken:
             self._restores.remove(restore)
-            self._received.add(restore.req_id)
-        self.stats.loads += len(done)
+            if restore.failed or restore in broken:
+                self._fail(restore.req_id)
+            else:
+                self._received.add(restore.req_id)
+                self.stats.loads += 1
 
-    def _entries(self, req_id: str, copies: Sequence) -> list[torch.Tensor] | None:
-        """The entries of a load from CPU memory, or from stores still landing (a load
-        runs on the same stream as the store that copies them out, so after it)."""
+    def _entries(
+        self, req_id: str, copies: Sequence
+    ) -> tuple[list[torch.Tensor], dict[int, Landing]] | None:
+        """The entries of a load from CPU memory, or from stores still landing (the load
+        then waits for their copies: the store each such entry waits for, by id())."""
         try:
-            landing = {s.key: s.entry for p in self._landing for s in p.items if s.cpu}
+            landing = {
+                s.key: (s.entry, p.landing)
+                for p in self._landing
+                for s in p.items
+                if s.cpu and s.entry is not None
+            }
+            sources = {
+                id(landing[kc.key][0]): landing[kc.key][1] for kc in copies if kc.key in landing
+            }
             entries = [
-                landing[kc.key] if kc.key in landing else self.store.cpu.get(kc.key)
+                landing[kc.key][0] if kc.key in landing else self.store.cpu.get(kc.key)
                 for kc in copies
             ]
             missing = [
@@ -306,7 +414,7 @@ class WorkerSide:
             with self._lock:
                 self._report.lost.extend(missing)
             return None
-        return entries
+        return entries, sources
 
     def _fail(self, req_id: str) -> None:
         self.stats.failed_loads += 1
@@ -385,9 +493,15 @@ class WorkerSide:
         if landing is None:
             self._store(items)
             return
-        self._landing.append(_Landing(landing, items, entries, started))
+        reads = [frozenset(c.copy.block_ids) for c in (*copies, *tagged)]
+        self._landing.append(_Landing(landing, items, entries, reads, started, meta.step))
         for tc, entry in zip(tagged, entries[len(copies) :], strict=True):
             self._staged[tc.tag] = (entry, landing)
+        for job in meta.stores:
+            self._tags.setdefault(job.req_id, []).extend(tc.tag for tc in job.tagged)
+        self.sending.stored(
+            (job.req_id for job in meta.stores if job.copies or job.tagged), landing
+        )
 
     def name(self, meta: HybridKVMetadata) -> None:
         """Store the entries tagged in earlier steps that the scheduler side names now,
@@ -398,7 +512,7 @@ class WorkerSide:
                     entry, landing = self._staged.pop(n.tag, (None, None))
                     if n.key is not None:  # a name finding no entry reports it lost
                         item = _Store(n.key, entry, n.cpu, n.below)
-                        self._landing.append(_Landing(landing or LANDED, [item]))
+                        self._landing.append(_Landing(landing or LANDED, [item], step=meta.step))
             self._land()
         except Exception:
             log.exception("hybridkv: storing named entries failed")
@@ -423,6 +537,11 @@ class WorkerSide:
             self._store(pending.items)
             if pending.started is not None:
                 self._observe("store_seconds", "cpu", pending.started)
+
+    def landed_through(self) -> int:
+        """The newest step whose stores have all landed (read their blocks) on this rank:
+        the scheduler side delays no finished request whose stores are all that old."""
+        return self._landing[0].step - 1 if self._landing else self._step
 
     @property
     def restoring(self) -> int:
@@ -547,11 +666,18 @@ class WorkerSide:
             latencies, self._latencies = self._latencies, {}
         return counters, gauges, latencies
 
-    def transfer_results(self) -> TransferResults:
+    def transfer_results(self, finished: Iterable[str] = ()) -> TransferResults:
         """Loads finished since the last call: failed ones are received too (vLLM must
-        release the request from its wait either way)."""
+        release the request from its wait either way); and the requests vLLM delayed
+        whose stores have all landed. `finished`: vLLM's requests finished since the
+        last step; their tags never named by now never will be, and are released."""
         self._finish_loads()
-        out = TransferResults(self._received | self._failed, self._failed)
+        finished = set(finished)
+        for req_id in finished:
+            for tag in self._tags.pop(req_id, ()):
+                self._staged.pop(tag, None)
+        sending = self.sending.finished(finished)
+        out = TransferResults(self._received | self._failed, self._failed, sending)
         self._received, self._failed = set(), set()
         return out
 

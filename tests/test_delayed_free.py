@@ -1,0 +1,157 @@
+"""Blocks a store still reads stay intact, by vLLM's own contract, driven through vLLM's
+real `Scheduler` / `AsyncScheduler` without a model (test_async_scheduling's `Engine`).
+
+On a GPU a store's copy lands after its step, and a load's after the step that queued
+it. On a CPU cache every copy lands at once, so here the copy engine's copies are held
+in flight (tests/slow_copies.py: each runs only when it lands, which the test decides or
+hybridkv waits for). A block vLLM rewrote before the copy ran then shows in the bytes:
+every stored entry is checked against the tokens its key names, every restored block
+before the forward reads it.
+
+- A request that finishes (or is aborted) while its stores are in flight keeps its
+  blocks (vLLM's delayed free: `request_finished_all_groups` returns True) until every
+  rank reports it in `finished_sending`, which it does once they have landed.
+- Blocks vLLM frees while their request runs (a preempted request's, superseded states)
+  and hands on while a store still reads them: Model Runner V1's order holds the compute
+  stream behind the store; V2's drops what the store read.
+- A load that fails with a copy still in flight is reported only once it has landed:
+  vLLM frees a failed load's blocks as soon as it is reported. A request aborted while
+  its load is in flight is left to vLLM's own wait for the load (never also delayed).
+"""
+
+from __future__ import annotations
+
+import pytest
+from slow_copies import SlowCopies
+from test_async_scheduling import ATTN_PAGE, MODES, Engine, _prompt, config_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return config_dir(tmp_path_factory)
+
+
+def held_blocks(eng: Engine, req_id: str) -> list[int]:
+    """The blocks vLLM still holds for a request (none once it is gone)."""
+    if req_id not in eng.sched.requests:
+        return []
+    blocks = eng.sched.kv_cache_manager.get_blocks(req_id).blocks
+    return [b.block_id for group in blocks for b in group if not b.is_null and b.ref_cnt > 0]
+
+
+@pytest.mark.parametrize("abort", [False, True], ids=["finished", "aborted"])
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_a_finished_request_keeps_its_blocks_until_its_stores_land(
+    model_dir, async_scheduling, abort
+):
+    """The request finishes (its last token, or an abort just after a boundary's step
+    was scheduled) with stores in flight: vLLM keeps it and its blocks through any
+    number of steps, until the copies land; then the workers report it once (vLLM
+    asserts on a second report) and vLLM frees the blocks. Nothing needed a wait on the
+    compute stream or a dropped store."""
+    from vllm.v1.request import RequestStatus
+
+    eng = Engine(model_dir, async_scheduling, seed=5)
+    sched = eng.sched
+    slow = SlowCopies(eng.worker.copies, lambda: eng.steps)
+    a = eng.add("a", _prompt(40, 31), max_tokens=25)
+    if abort:
+        eng.interrupts = [
+            (
+                lambda: a.num_computed_tokens >= 48,
+                lambda: sched.finish_requests("a", RequestStatus.FINISHED_ABORTED),
+            )
+        ]
+    eng.run(until=a.is_finished)
+    assert slow.in_flight() > 0
+    for _ in range(4):
+        eng.step()
+    assert "a" in sched.requests and held_blocks(eng, "a"), "freed with its stores in flight"
+    slow.land()
+    eng.run()
+    assert "a" not in sched.requests
+    assert eng.worker.stats.held_compute == 0 and eng.worker.stats.overtaken_entries == 0
+    eng.check_entries()
+    eng.check_settled()
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_blocks_handed_on_while_a_store_reads_them_never_reach_an_entry(
+    model_dir, async_scheduling, runner
+):
+    """A pool too small for the requests in flight: vLLM preempts, frees superseded
+    states and hands the blocks to others at once, while stores still read them (each
+    copy lands three steps after the step that queued it). V1's order holds the compute
+    stream behind such a store before the step's zeroing and forward, so every store
+    arrives; V2 zeroes before the first hook, so what such a store read is dropped.
+    Either way every entry stored holds exactly the bytes of its key's tokens."""
+    eng = Engine(model_dir, async_scheduling, seed=9, runner=runner, num_blocks=40)
+    slow = SlowCopies(eng.worker.copies, lambda: eng.steps)
+    eng.copies_land = lambda step: slow.land(queued_before=step - 2)
+    reqs = [eng.add(f"r{i}", _prompt(40 + 7 * i, 40 + i), max_tokens=30) for i in range(5)]
+    eng.run(limit=800)
+    assert sum(r.num_preemptions for r in reqs) > 0
+    eng.check_entries()
+    eng.check_settled(lossy=runner == "v2")
+    stats = eng.worker.stats
+    if runner == "v1":
+        assert stats.held_compute > 0 and stats.overtaken_entries == 0
+    else:
+        assert stats.overtaken_entries > 0
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_a_failed_load_is_reported_only_after_its_copies_in_flight_land(
+    model_dir, async_scheduling
+):
+    """A hit loads one entry a step; the first copy is in flight when the second raises.
+    The request is failed, but stays waiting for its load (vLLM would free its blocks
+    with the first copy still writing them) until that copy lands; then vLLM recomputes
+    it from the start."""
+    from vllm.v1.request import RequestStatus
+
+    eng = Engine(model_dir, async_scheduling, seed=13)
+    a = eng.add("a", _prompt(40, 51), max_tokens=2)
+    eng.run()
+    assert eng.sched.reset_prefix_cache()
+    eng.worker.load_step_bytes = ATTN_PAGE  # one entry a step
+    slow = SlowCopies(eng.worker.copies, lambda: eng.steps, failing_load=2)
+    b = eng.add("b", list(a.prompt_token_ids), max_tokens=3)
+    eng.run(until=lambda: slow.queued > 0)  # the first copy is in flight
+    for _ in range(5):
+        eng.step()
+        assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS, "reported with a copy running"
+    assert eng.worker.restoring == 1 and slow.in_flight() == 1
+    slow.land()
+    eng.run()
+    assert eng.first_start["b"] == 0 and b.num_output_tokens == 3
+    assert eng.worker.stats.failed_loads == 1
+    eng.check_entries()
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_a_request_aborted_while_its_load_is_in_flight_is_freed_by_the_load_alone(
+    model_dir, async_scheduling
+):
+    """vLLM keeps an aborted request's blocks while its load is in flight and frees them
+    when the load is reported; hybridkv planned no store on those blocks, so it does not
+    delay the request too (a `finished_sending` for it would find it gone: vLLM asserts)."""
+    from vllm.v1.request import RequestStatus
+
+    eng = Engine(model_dir, async_scheduling, seed=17)
+    a = eng.add("a", _prompt(40, 61), max_tokens=2)
+    eng.run()
+    assert eng.sched.reset_prefix_cache()
+    slow = SlowCopies(eng.worker.copies, lambda: eng.steps)
+    b = eng.add("b", list(a.prompt_token_ids), max_tokens=3)
+    eng.run(until=lambda: slow.queued > 0)  # the load's copy is in flight
+    eng.sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    for _ in range(3):
+        eng.step()
+    assert "b" in eng.sched.requests and held_blocks(eng, "b"), "freed under a load"
+    slow.land()
+    eng.run()
+    assert "b" not in eng.sched.requests and b.num_output_tokens == 0
+    eng.check_entries()
+    eng.check_settled()
