@@ -15,26 +15,49 @@ every waiting request in every step of a restore); and admitting one
 boundary into a CPU budget full of others (`StoreIndex.admit_boundary`, which picks what
 to evict by the policy), at several numbers of boundaries held.
 
+Production scale (issue 27: "a scheduler side that stays under a millisecond with a
+million entries"): a serving stream through the real `SchedulerSide` at 10k, 100k and 1M
+entries (`--serve-entries`; about a tenth of them boundaries): conversations on shared
+system prompts, each turn a longer prompt, looked up (chain keys, hit rule, pins,
+touches; entries CPU memory lost are found again in a shared tier by the real `Probe`,
+whose answers become hints, and promoted), stored the next step (`_admit`: chunks pinned
+while the request runs, the boundary at the prompt's checkpoint and at its branch point,
+evictions by the policy) and finished a few steps later (pins released); each step also
+takes the index's orders and applies the workers' reports of the promotions, as
+`build_meta` and `update_connector_output` do. The stream fills CPU memory first (not
+timed), then every scheduler-side call of each of `--serve-steps` steps is timed: p50, p99
+and max of a step, with and without the chain keys of new prompts (blake3 over the
+prompt, 0.7 ms for 24k tokens whatever the index holds, timed on their own). Memory: a
+second run of the same fill under tracemalloc; what code of hybridkv and of
+sortedcontainers allocated and still holds, per entry in CPU memory. Run it against
+another source with `PYTHONPATH=<its src>` (the "before" of docs/benchmarks.md).
+
     .venv/bin/python bench/lookup.py --prompt-tokens 32768
+    .venv/bin/python bench/lookup.py --serve-entries 10000 100000 1000000
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from common import RESULTS
 
 from hybridkv.core.index import StoreIndex, WorkerReport
 from hybridkv.core.keys import chunk_keys, group_key
 from hybridkv.core.layout import GroupKind, GroupSpec, Layout
-from hybridkv.core.planner import Planner
+from hybridkv.core.planner import EntryCopy, Planner
 from hybridkv.core.policy import CheckpointPolicy
+from hybridkv.core.probe import Probe
+from hybridkv.vllm.metadata import KeyedCopy
 from hybridkv.vllm.scheduler_side import SchedulerSide
 
 BLOCK = 256
@@ -124,13 +147,246 @@ def admission_cost(held: int, count: int) -> tuple[float, float, float]:
     return first, statistics.mean(times), max(times)
 
 
+# The serving stream: shared system prompts, conversations whose turns each add a few
+# chunks, up to a longest prompt; about one new request a step.
+SYSTEM_PROMPTS, HEAD_CHUNKS = 64, 8
+TURN_CHUNKS = (3, 11)
+LONGEST_CHUNKS = 96  # 24k tokens
+NEW_CONVERSATION = 0.25  # of the requests; the others continue an open one
+STATE_GROUPS = (1, 2, 3)
+# A boundary's states plus the chunks of a turn, per entry: the budget for `entries`.
+MEAN_ENTRY = (7 * ATTN_BYTES + 3 * STATE_BYTES) / 10
+
+
+class Serving:
+    """A serving stream through the real scheduler side (the module docstring), drawn
+    from a seeded generator. `step` returns the seconds its scheduler-side calls took,
+    and of those the chain keys of its new prompts'; `index_seconds` adds up what the
+    calls into the index took (once `time_index` has wrapped them: that costs time)."""
+
+    def __init__(self, entries: int, seed: int = 27):
+        lay = layout()
+        planner = Planner(lay.groups)
+        self.rng = random.Random(seed)
+        self.tokens = np.random.default_rng(seed)
+        self.shared: set[bytes] = set()  # the shared tier: every store goes down to it
+        self.probe = Probe("redis", lambda keys: [k in self.shared for k in keys], ttl_s=1.0)
+        index = StoreIndex(int(entries * MEAN_ENTRY), recurrent=True)
+        policy = CheckpointPolicy("prompt_and_end", planner.chunk_tokens)
+        self.side = SchedulerSide(
+            lay, planner, policy, index, True, True, tiers=[("redis", 1.0)], probe=self.probe
+        )
+        self.heads = [self._draw(HEAD_CHUNKS * BLOCK) for _ in range(SYSTEM_PROMPTS)]
+        # Open conversations' last prompts (arrays: a list of ints per token would make
+        # every collection of the garbage collector walk millions of them).
+        self.open: list[np.ndarray | None] = [None] * max(entries // 50, 8)
+        self.waiting: list = []  # requests looked up that answered "ask again"
+        self.prefilled: list = []  # requests looked up last step: their stores come now
+        self.running: list[tuple[int, object]] = []  # (finishing step, request)
+        self.promoted: list[bytes] = []  # promotions ordered last step
+        self.n = 0
+        self.hit_tokens = 0
+        self.index_seconds = 0.0
+
+    def _draw(self, n: int) -> np.ndarray:
+        return self.tokens.integers(1, 150000, n, dtype=np.int32)
+
+    def _prompt(self) -> list[int]:
+        """A new conversation's first prompt, or an open one's next turn (the earlier
+        prompt, its answer and the new message: a few chunks longer)."""
+        rng = self.rng
+        slot = rng.randrange(len(self.open))
+        prompt = self.open[slot]
+        turn = rng.randint(*TURN_CHUNKS) * BLOCK + rng.randrange(BLOCK)
+        if (
+            prompt is None
+            or rng.random() < NEW_CONVERSATION
+            or len(prompt) + turn > LONGEST_CHUNKS * BLOCK
+        ):
+            prompt = rng.choice(self.heads)
+        self.open[slot] = prompt = np.concatenate([prompt, self._draw(turn)])
+        return prompt.tolist()
+
+    def time_index(self) -> None:
+        """Add up the seconds of every call the scheduler side makes into the index."""
+        index = self.side.index
+        depth = 0
+
+        def timed(method: Callable) -> Callable:
+            def call(*args, **kwargs):
+                nonlocal depth
+                depth += 1
+                t = time.perf_counter()
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    depth -= 1
+                    if not depth:
+                        self.index_seconds += time.perf_counter() - t
+
+            return call
+
+        for name in dir(index):
+            method = getattr(index, name)
+            if not name.startswith("_") and callable(method):
+                setattr(index, name, timed(method))
+
+    def step(self) -> tuple[float, float]:
+        side, index = self.side, self.side.index
+        clock = time.perf_counter
+        t0 = clock()
+        # The workers' reports of last step's promotions (all read and verified).
+        if self.promoted:
+            epoch = index.epoch
+            report = WorkerReport(epoch, promoted=[(epoch, k, True) for k in self.promoted])
+            side.worker_reports({0: report})
+        # Requests that finish now release their pins.
+        done = [r for at, r in self.running if at <= self.n]
+        self.running = [(at, r) for at, r in self.running if at > self.n]
+        for req in done:
+            side.request_finished(req)
+        # Last step's prefills store their chunks and states.
+        stored: list[bytes] = []
+        for req, hit in self.prefilled:
+            stored += self._store(req, hit)
+        elapsed = clock() - t0
+        for req, _ in self.prefilled:
+            self.running.append((self.n + self.rng.randint(2, 6), req))
+        self.prefilled = []
+        # Lookups: the waiting ones again, then this step's new requests.
+        new = [
+            request(f"r{self.n}-{i}", self._prompt()) for i in range(self.rng.choice((0, 1, 1, 2)))
+        ]
+        t0 = clock()
+        for req in new:  # a request's chain keys, computed at its first lookup
+            side._keys(side._state(req), req.num_prompt_tokens)
+        hashing = clock() - t0
+        t0 = clock()
+        waiting, self.waiting = self.waiting + new, []
+        for req in waiting:
+            hit = side.num_new_matched_tokens(req, 0)
+            if hit is None:
+                self.waiting.append(req)
+            else:
+                self.prefilled.append((req, hit))
+        # The index's part of the step's metadata.
+        orders = index.take_orders()
+        self.probe.send()
+        elapsed += clock() - t0
+        # The shared tier answers within the step (a round trip to Redis is well under
+        # an engine step), so the next step's lookups find the answers in, as they would.
+        while self.probe._sending:
+            time.sleep(0)
+        self.hit_tokens += sum(hit for _, hit in self.prefilled)
+        self.promoted = [k for k, _ in orders.promote]
+        self.shared.update(stored)
+        self.n += 1
+        return elapsed + hashing, hashing
+
+    def _store(self, req, hit: int) -> list[bytes]:
+        """What a prefill from `hit` to the prompt's checkpoint stores: its chunks, and
+        the states at the checkpoint and at the branch point vLLM checkpointed, through
+        the scheduler side's admission."""
+        side = self.side
+        st = side._state(req)
+        ckpt = side.policy.prompt_checkpoint(req.num_prompt_tokens) // BLOCK
+        keys = side._keys(st, ckpt * BLOCK)
+        plan = [EntryCopy(0, c, (0,), (0,)) for c in range(hit // BLOCK, ckpt)]
+        junction = req.shared_prefix_boundary // BLOCK
+        for end in sorted({ckpt} | ({junction} if hit // BLOCK < junction < ckpt else set())):
+            plan += [EntryCopy(g, end - 1, (0,), (0,)) for g in STATE_GROUPS if end]
+        copies = [KeyedCopy(group_key(keys[c.chunk], c.group), c) for c in plan]
+        return [kc.key for kc in side._admit(st, keys, copies)]
+
+
+def serving(entries: int, steps: int, freeze: bool) -> dict[str, float]:
+    """Per-step seconds of the stream once CPU memory is full (the module docstring);
+    then a quarter as many steps again with the calls into the index timed."""
+    stream = Serving(entries)
+    index = stream.side.index
+    t = time.perf_counter()
+    while index.gauges()["cpu_bytes"] < 0.99 * index.capacity:
+        stream.step()
+    filled = time.perf_counter() - t
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    total, without, hits = [], [], stream.hit_tokens
+    for _ in range(steps):
+        secs, hashing = stream.step()
+        total.append(secs)
+        without.append(secs - hashing)
+    gauges = index.gauges()
+    out = {
+        "fill_seconds": filled,
+        "cpu_entries": gauges["cpu_entries"],
+        "boundaries": gauges["cpu_boundaries"],
+        "evictions": index.stats.cpu_evictions,
+        "promotions": index.stats.promotions,
+        "hit tokens per step": (stream.hit_tokens - hits) / steps,
+    }
+    stream.time_index()
+    in_index = []
+    for _ in range(steps // 4):
+        before = stream.index_seconds
+        stream.step()
+        in_index.append(stream.index_seconds - before)
+    for name, times in (
+        ("step", total),
+        ("step without chain keys", without),
+        ("step, in the index", in_index),
+    ):
+        times.sort()
+        out[f"{name}: p50"] = times[len(times) // 2]
+        out[f"{name}: p99"] = times[int(len(times) * 0.99)]
+        out[f"{name}: max"] = times[-1]
+    return out
+
+
+def memory(entries: int) -> dict[str, float]:
+    """Bytes that hybridkv's and sortedcontainers' code allocated and still holds once
+    the stream has filled CPU memory, per entry there (tracemalloc)."""
+    ours = (
+        tracemalloc.Filter(True, "*/hybridkv/*"),
+        tracemalloc.Filter(True, "*/sortedcontainers/*"),
+    )
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot().filter_traces(ours)
+    stream = Serving(entries)
+    index = stream.side.index
+    while index.gauges()["cpu_bytes"] < 0.99 * index.capacity:
+        stream.step()
+    # What is left of requests, of the probe's answers and of the simulated shared tier
+    # is not the index's.
+    stream.waiting, stream.prefilled, stream.running, stream.promoted = [], [], [], []
+    stream.side._reqs.clear()
+    stream.probe.clear()
+    stream.shared.clear()
+    gc.collect()
+    after = tracemalloc.take_snapshot().filter_traces(ours)
+    tracemalloc.stop()
+    held = sum(s.size for s in after.statistics("filename")) - sum(
+        s.size for s in before.statistics("filename")
+    )
+    n = index.gauges()["cpu_entries"]
+    return {"cpu_entries": n, "bytes": held, "bytes per entry": held / n}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-tokens", type=int, default=32768)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--held", type=int, nargs="+", default=[100, 1000, 10000])
+    p.add_argument("--serve-entries", type=int, nargs="*", default=[])
+    p.add_argument("--serve-steps", type=int, default=20000)
+    p.add_argument("--freeze", action="store_true", help="gc.freeze() once CPU memory is full")
+    p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc runs")
     p.add_argument("--json", type=Path, default=RESULTS / "lookup.json")
     args = p.parse_args()
+    if args.serve_entries:
+        serve(args)
+        return
 
     rng = random.Random(3)
     prompt = [rng.randrange(1, 150000) for _ in range(args.prompt_tokens)]
@@ -179,6 +435,26 @@ def main() -> None:
         json.dumps({"prompt_tokens": args.prompt_tokens, "seconds": results}, indent=2)
     )
     print(f"wrote {args.json}")
+
+
+def serve(args: argparse.Namespace) -> None:
+    results: dict[str, dict[str, float]] = {}
+    print(f"serving stream, {args.serve_steps} steps timed once CPU memory is full")
+    for entries in args.serve_entries:
+        fig = serving(entries, args.serve_steps, args.freeze)
+        if not args.no_memory:
+            fig.update({f"memory: {k}": v for k, v in memory(entries).items()})
+        results[str(entries)] = fig
+        print(f"{entries:>9} entries")
+        for name, value in fig.items():
+            shown = f"{value * 1e3:10.3f} ms" if name.startswith("step") else f"{value:13.1f}"
+            print(f"  {name:34}{shown}")
+    out = args.json.with_name(args.json.stem + "-serving.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps({"steps": args.serve_steps, "freeze": args.freeze, "entries": results}, indent=2)
+    )
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@ core/eviction.py): orphans first, whole boundaries by utility, budgets and pins 
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.core.eviction import Boundary, by_utility
-from hybridkv.core.index import GHOSTS_MIN, GHOSTS_PER_ENTRY, StoreIndex
+from hybridkv.core.ghosts import GHOSTS_MIN, GHOSTS_PER_ENTRY
+from hybridkv.core.index import StoreIndex
 from hybridkv.core.keys import group_key
 
 ATTN, STATE = 0, 1  # group ids: one attention group, one recurrent group (two in `states`)
@@ -52,23 +54,19 @@ def test_orphans_go_before_any_boundary():
     assert index.stats.evicted_orphans == 3 and index.stats.evicted_boundaries == 0
 
 
-def test_eviction_frees_ahead_once_many_boundaries_are_held():
-    from hybridkv.core.index import AHEAD_FROM
-
-    n = AHEAD_FROM
+def test_a_large_index_evicts_exactly_what_it_needs():
+    """A choice costs O(log n) per victim, so no room is freed ahead any more (it was 1/64
+    of the budget from 256 boundaries on, when choosing sorted every boundary)."""
+    n = 256
     index = StoreIndex(cpu_capacity=250 * n + 6400, recurrent=True)
     for chain in range(n):
         assert add_chain(index, chain, 1)  # a chunk and two states each: 250 bytes
     for c in range(128):
         assert index.admit(chunk(1000, c), 50)  # the rest: orphans
     index.take_orders()
-    ahead = index.capacity // 64
-    assert index.admit(chunk(2000, 0), 50)  # one in, `ahead` bytes more out
-    assert len(evicted(index)) == 1 + ahead // 50
-    for c in range(1, 1 + ahead // 50):
-        assert index.admit(chunk(2000, c), 50)
-    assert evicted(index) == set()  # the room freed ahead
-    index.pin([k for k in index._cpu if k != chunk(1000, 127)])
+    assert index.admit(chunk(2000, 0), 50)
+    assert evicted(index) == {chunk(1000, 0)}
+    index.pin([k for k in index.ledger.sizes if k != chunk(1000, 127)])
     assert index.admit(chunk(3000, 0), 50)  # only one can go: it is enough
     assert evicted(index) == {chunk(1000, 127)}
 
@@ -176,8 +174,8 @@ def test_a_junction_stored_below_a_boundary_becomes_its_parent():
     junction = index.boundary_id(chunk(1, 2, STATE))
     needs = [chunk(1, c) for c in range(3)] + [chunk(2, 3)]
     assert index.admit_boundary(states(2, 3), needs, 40, 250, junction)
-    first = index._boundaries[index.boundary_id(chunk(1, 3, STATE))]
-    assert first.parent == junction and len(index._children[junction]) == 2
+    first = index.graph.boundary(chunk(1, 3, STATE))
+    assert first.parent.bid == junction and first.parent.kids == 2
     assert first.own_bytes == 200 + 50  # its states and the one chunk past the junction
     # Full: a question's boundary goes first (a leaf), not the junction's states.
     index.capacity = index.gauges()["cpu_bytes"]
@@ -204,15 +202,33 @@ def test_children_follow_their_parent_when_it_leaves():
     assert index.stats.evicted_superseded == 2
 
 
-def test_utility_prefers_recent_and_efficient_boundaries():
-    old_long = Boundary(6400, (b"a",), (), 1000, used=1)
-    new_short = Boundary(640, (b"b",), (), 1000, used=10)
-    old_short = Boundary(640, (b"c",), (), 1000, used=1)
-    cands = [old_long, new_short, old_short]
-    lru = by_utility(cands, 0.0)
-    assert lru[-1] is new_short and lru[0] in (old_long, old_short)
-    weighted = by_utility(cands, 2.0)
-    assert weighted[0] is old_short and weighted[-1] is old_long  # 0 + 2 * 1 > 1 + 2 * 0.1
+def test_rank_prefers_recent_and_efficient_boundaries():
+    """At one scale a boundary's efficiency is worth up to alpha of the recency range
+    (core/eviction.py): by recency alone (alpha 0) the old boundaries go first; with
+    alpha 2 an old short one goes first and an old long one outlasts a newer short one."""
+
+    def order(alpha: float) -> list[int]:
+        index = StoreIndex(cpu_capacity=800, recurrent=True, alpha=alpha)
+        assert index.admit_boundary(states(0, 0), [], 640, 1000)  # the recency range's start
+        index.pin([chunk(0, 0, STATE)])
+        for _ in range(10):
+            index.touch([])
+        assert index.admit_boundary(states(1, 0), [], 6400, 1000)  # old and long
+        assert index.admit_boundary(states(2, 0), [], 640, 1000)  # old and short
+        for _ in range(7):
+            index.touch([])
+        assert index.admit_boundary(states(3, 0), [], 640, 1000)  # newer, short
+        index.take_orders()
+        out = []
+        for i in range(3):
+            assert index.admit(chunk(9, i), 200)
+            index.pin([chunk(9, i)])
+            gone = evicted(index)
+            out += [c for c in (1, 2, 3) if chunk(c, 0, STATE) in gone]
+        return out
+
+    assert order(0.0) == [1, 2, 3]
+    assert order(2.0) == [2, 3, 1]
 
 
 def visit(index: StoreIndex, chain: int, n: int = 4) -> bool:
@@ -243,7 +259,7 @@ def test_a_reused_leaf_outlasts_newer_ones_never_reused():
 
 
 def test_reused_leaves_beyond_the_protected_share_go_like_fresh_ones():
-    from hybridkv.core.index import PROTECTED
+    from hybridkv.core.eviction import PROTECTED
 
     index = StoreIndex(cpu_capacity=2400, recurrent=True)  # six chains
     assert 4 * 400 <= PROTECTED * 2400 < 5 * 400
@@ -340,18 +356,23 @@ def test_budget_pins_and_whole_boundaries_hold_under_any_sequence(ops, capacity,
         assert gauges["cpu_bytes"] <= capacity
         # A pinned entry is never evicted.
         assert all(index.in_cpu(k) for k, was in before.items() if was and k in pinned)
-        # Every boundary counted has all its states in CPU memory.
-        for bid, b in index._boundaries.items():
+        graph = index.graph
+        boundaries = set(graph.state_of.values())
+        for b in boundaries:
+            # Every boundary counted has all its states in CPU memory.
             assert all(index.in_cpu(k) for k in b.states)
             # The chain tree links only boundaries in CPU memory, both ways.
-            assert b.parent is None or bid in index._children[b.parent]
-        # The eviction scan sees every orphan.
-        for key in index._cpu:
-            if key not in index._boundary_of and not index._needed_by.get(key):
-                assert key in index._loose
-        for bid, children in index._children.items():
-            assert children and bid in index._boundaries
-            assert all(index._boundaries[c].parent == bid for c in children)
+            assert b.parent is None or (b.parent in boundaries and b in b.parent.children)
+            assert all(c.parent is b for c in b.children or ())
+        # Each attention entry counts the boundaries that need it.
+        assert {k: n for k, n in graph.needers.items() if n} == Counter(
+            k for b in boundaries for k in b.needs
+        )
+        # The eviction order sees every orphan, and nothing else as one.
+        orphans = [k for k in index.ledger.sizes if graph.is_orphan(k)]
+        assert all(k in index.policy._orphans for k in orphans)
+        assert len(index.policy._orphans) == len(orphans)
         # Evicted chunks are remembered within bounds.
-        assert len(index._ghosts) <= max(GHOSTS_MIN, GHOSTS_PER_ENTRY * len(index._cpu))
+        ghosts = len(index.policy.ghosts)
+        assert ghosts <= max(GHOSTS_MIN, GHOSTS_PER_ENTRY * len(index.ledger.sizes))
     index.take_orders()

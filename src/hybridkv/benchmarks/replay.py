@@ -152,6 +152,13 @@ def kv_geometry(llm) -> dict[str, Any]:
     return {"groups": groups, "num_gpu_blocks": kv.num_blocks}
 
 
+def cpu_entries(index) -> dict[bytes, int] | None:
+    """The index's entries in CPU memory (key -> bytes): its ledger's, or before the
+    ledger was split out (an older revision replayed as `hybridkv@REV`) its own map."""
+    ledger = getattr(index, "ledger", None)
+    return ledger.sizes if ledger is not None else getattr(index, "_cpu", None)
+
+
 class HybridKVProbe:
     """Counts, from outside, what hybridkv's index admits, refuses and evicts per group
     (kind), for the benchmark's record: wraps the index's methods on this instance only.
@@ -169,7 +176,7 @@ class HybridKVProbe:
             k: Counter()
             for k in ("admitted", "admitted_bytes", "refused", "evicted", "evicted_bytes")
         }
-        cpu = getattr(self.index, "_cpu", None)
+        cpu = cpu_entries(self.index)
         if cpu is None:
             return
         # Admissions: what a call added to CPU memory, and which of the keys it was
@@ -217,7 +224,7 @@ class HybridKVProbe:
 
         held: Counter[str] = Counter()
         held_bytes: Counter[str] = Counter()
-        for key, size in getattr(self.index, "_cpu", {}).items():
+        for key, size in (cpu_entries(self.index) or {}).items():
             held[self.kind(key)] += 1
             held_bytes[self.kind(key)] += size
         worker = worker_connector().worker_side

@@ -1,0 +1,337 @@
+"""The boundaries in CPU memory and the chain tree between them: the second part of the
+scheduler side's index (core/index.py), kept for layouts with recurrent groups.
+
+A hit there resumes at a *boundary*: every recurrent group's state at one chunk boundary,
+plus the attention chunks before it (its *needs*). The graph records, per boundary, its
+states, what it needs, what keeping it costs beyond the chain's previous boundary
+(`own_bytes`), its last use on a logical clock, and its place in the chain tree: its
+*parent* is the chain's previous boundary in CPU memory, its *children* the longer ones
+that extend it. Per attention entry it counts the boundaries that need it; an entry in
+CPU memory that is neither a state of a boundary nor needed by one is an *orphan* (it
+serves no hit). The graph decides nothing: it tells a `GraphWatcher` (the eviction
+policy) what changed, boundary by boundary and orphan by orphan.
+
+Compact records, because a production CPU tier holds a million entries: a boundary's
+needs are a chain of `Segment`s, each the keys one boundary added beyond the segment it
+extends, packed into one bytes object, so the boundaries of a chain share its keys
+instead of each holding a tuple of all of them; an attention entry's count of users is
+one small int in one dict, keyed by the same key object the byte ledger holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from hybridkv.core.keys import KEY_BYTES
+from hybridkv.core.ledger import Ledger
+
+KEY_WIDTH = KEY_BYTES + 2  # a group key (core/keys.py)
+
+
+@dataclass(eq=False, slots=True)
+class Segment:
+    """Keys a boundary needs beyond those of the segment it extends (`up`), KEY_WIDTH
+    bytes each, in chain order."""
+
+    keys: bytes
+    up: Segment | None
+
+    def path(self) -> list[Segment]:
+        """This segment and the ones above it, the chain's first first."""
+        out = []
+        seg: Segment | None = self
+        while seg is not None:
+            out.append(seg)
+            seg = seg.up
+        out.reverse()
+        return out
+
+    def blob(self) -> bytes:
+        return b"".join(s.keys for s in self.path())
+
+    def __iter__(self) -> Iterator[bytes]:
+        W = KEY_WIDTH
+        return iter([s.keys[i : i + W] for s in self.path() for i in range(0, len(s.keys), W)])
+
+    def __contains__(self, key: bytes) -> bool:
+        seg: Segment | None = self
+        while seg is not None:
+            at = seg.keys.find(key)
+            while at >= 0:
+                if at % KEY_WIDTH == 0:
+                    return True
+                at = seg.keys.find(key, at + 1)
+            seg = seg.up
+        return False
+
+
+NO_NEEDS = Segment(b"", None)
+
+
+@dataclass(eq=False, slots=True)
+class Boundary:
+    """A boundary whose states are all in CPU memory."""
+
+    tokens: int  # a hit here saves the prefill of this many tokens
+    states: tuple[bytes, ...]  # one entry per recurrent group; the first names it
+    needs: Segment  # attention entries a hit here also reads
+    own_bytes: int  # its states plus the chunks after the chain's previous boundary
+    used: int  # logical time of its last use
+    seq: int  # admission order (earlier first among equals)
+    parent: Boundary | None = None  # the chain's previous boundary in CPU memory
+    children: set[Boundary] | None = None
+    reused: bool = False  # used again since its admission (a hit, or vLLM's own)
+    held: int = 0  # its states that are pinned or promoting: it cannot go while > 0
+    # Where the eviction policy filed it (core/eviction.py): its rank, the efficiency it
+    # was ranked with, and its sort keys.
+    rank: float = 0.0
+    efficiency_ranked: float = 0.0
+    place: int = 0
+    by_used: tuple[int, int] = (0, 0)
+    by_recent: tuple[int, int] = (0, 0)
+    by_rank: tuple[float, int] = (0.0, 0)
+
+    @property
+    def bid(self) -> bytes:
+        return self.states[0]
+
+    @property
+    def kids(self) -> int:
+        return len(self.children) if self.children else 0
+
+    @property
+    def efficiency(self) -> float:
+        """Tokens of prefill a hit here saves per byte kept."""
+        return self.tokens / (self.own_bytes or 1)
+
+
+class GraphWatcher(Protocol):
+    """Told of every change to the graph, in this order for a boundary that changes:
+    `unfile` before it changes, `scored` once its use or cost changed (a batch: the
+    boundaries of one event), `file` after; `removed` after `unfile` for one that leaves."""
+
+    def unfile(self, b: Boundary) -> None: ...
+
+    def scored(self, boundaries: Sequence[Boundary]) -> None: ...
+
+    def file(self, b: Boundary) -> None: ...
+
+    def removed(self, b: Boundary) -> None: ...
+
+    def orphaned(self, key: bytes, orphan: bool) -> None: ...
+
+
+class BoundaryGraph:
+    def __init__(self, ledger: Ledger, watcher: GraphWatcher):
+        self.ledger = ledger
+        self.watcher = watcher
+        self.tick = 0  # logical clock of uses
+        self.state_of: dict[bytes, Boundary] = {}
+        # Attention entry -> boundaries that need it. Every entry admitted on its own is
+        # listed (0 while none needs it), so this table and the ledger's share its key.
+        self.needers: dict[bytes, int] = {}
+        # Boundaries without a parent, by their chain's first key (a junction adopts from
+        # these; with a parent, from its children).
+        self._roots: dict[bytes, set[Boundary]] = {}
+        self._seq = 0
+        self.count = 0
+
+    def boundary(self, key: bytes) -> Boundary | None:
+        return self.state_of.get(key)
+
+    def is_orphan(self, key: bytes) -> bool:
+        return key in self.ledger.sizes and key not in self.state_of and not self.needers.get(key)
+
+    # ---- entries --------------------------------------------------------------------------
+    def entered(self, key: bytes) -> None:
+        """An entry admitted on its own (an attention chunk, a promoted entry)."""
+        self.needers.setdefault(key, 0)
+        if self.is_orphan(key):
+            self.watcher.orphaned(key, True)
+
+    def left(self, key: bytes) -> None:
+        """An entry left CPU memory (the ledger no longer has it): a boundary it is a
+        state of goes, and it is no orphan any more."""
+        b = self.state_of.get(key)
+        if b is not None:
+            self.forget(b)
+        if self.needers.get(key) == 0:
+            del self.needers[key]
+        self.watcher.orphaned(key, False)
+
+    # ---- uses -----------------------------------------------------------------------------
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """A use of `keys` (a hit, vLLM's own hit): one tick, and every boundary among
+        them used now."""
+        self.tick += 1
+        used: list[Boundary] = []
+        for key in keys:
+            b = self.state_of.get(key)
+            if b is not None and (b.used != self.tick or not b.reused):
+                self.watcher.unfile(b)
+                b.used, b.reused = self.tick, True
+                used.append(b)
+        self._refile(used, used)
+
+    # ---- boundaries -----------------------------------------------------------------------
+    def add(
+        self,
+        states: Sequence[bytes],
+        needs: Sequence[bytes],
+        tokens: int,
+        own_bytes: int,
+        parent_id: bytes | None,
+    ) -> Boundary:
+        """A boundary whose states are in the ledger now (see `StoreIndex.admit_boundary`).
+        A longer boundary admitted before it that passes through it and had its parent
+        becomes its child (a junction stored below a sibling's boundary is the branch
+        point of both). (Keeping it as one after either child leaves served document QA
+        more but the agent trace less: docs/benchmarks.md.)"""
+        for key in states:
+            old = self.state_of.get(key)
+            if old is not None:
+                self.forget(old)
+        self.tick += 1
+        parent = self.state_of.get(parent_id) if parent_id is not None else None
+        if parent is not None and parent.bid != parent_id:
+            parent = None
+        self._seq += 1
+        b = Boundary(
+            tokens,
+            tuple(states),
+            self._segment(needs, parent),
+            own_bytes,
+            self.tick,
+            self._seq,
+            parent,
+        )
+        b.held = sum(1 for key in states if self.ledger.held(key))
+        self.count += 1
+        for key in states:
+            self.state_of[key] = b
+            self.watcher.orphaned(key, False)
+        changed = [b]
+        if parent is not None:
+            self.watcher.unfile(parent)
+            if parent.children is None:
+                parent.children = set()
+            parent.children.add(b)
+            changed.append(parent)
+        else:
+            self._root(b, True)
+        adopted = self._adopt(b, needs[-1]) if needs else []
+        needers, sizes = self.needers, self.ledger.sizes
+        for key in needs:
+            n = needers.get(key, 0)
+            needers[key] = n + 1
+            if n == 0 and key in sizes and key not in self.state_of:
+                self.watcher.orphaned(key, False)
+        self._refile(changed + adopted, [b, *adopted])
+        return b
+
+    def _segment(self, needs: Sequence[bytes], parent: Boundary | None) -> Segment:
+        if not needs:
+            return NO_NEEDS
+        if any(len(key) != KEY_WIDTH for key in needs):
+            raise ValueError(f"needs are group keys of {KEY_WIDTH} bytes")
+        blob = b"".join(needs)
+        if parent is not None and parent.needs is not NO_NEEDS:
+            above = parent.needs.blob()
+            if blob.startswith(above):
+                own = blob[len(above) :]
+                return Segment(own, parent.needs) if own else parent.needs
+        return Segment(blob, None)
+
+    def _adopt(self, b: Boundary, last: bytes) -> list[Boundary]:
+        """The boundaries `b` adopts (see `add`); each one's cost is what it keeps beyond
+        `b` now."""
+        siblings = b.parent.children if b.parent is not None else self._roots.get(self._head(b))
+        adopted = [
+            o for o in siblings or () if o is not b and o.tokens > b.tokens and last in o.needs
+        ]
+        if not adopted:
+            return []
+        shared = set(b.needs)
+        sizes = self.ledger.sizes
+        for o in adopted:
+            self.watcher.unfile(o)
+            if o.parent is not None:
+                o.parent.children.discard(o)  # b's parent, unfiled already
+            else:
+                self._root(o, False)
+            o.parent = b
+            o.own_bytes = sum(sizes[k] for k in o.states) + sum(
+                sizes.get(k, 0) for k in o.needs if k not in shared
+            )
+        b.children = set(adopted)  # b is new: it had none
+        return adopted
+
+    def forget(self, b: Boundary) -> None:
+        """Stop counting a boundary (one of its states left CPU memory); its other states,
+        and the chunks no other boundary needs, stay until evicted, as orphans. Its
+        children now follow its parent (the chain's previous boundary left)."""
+        self.watcher.unfile(b)
+        self.watcher.removed(b)
+        self.count -= 1
+        for key in b.states:
+            del self.state_of[key]
+            if self.is_orphan(key):
+                self.watcher.orphaned(key, True)
+        parent = b.parent
+        if parent is not None:
+            self.watcher.unfile(parent)
+            parent.children.discard(b)
+        else:
+            self._root(b, False)
+        for child in b.children or ():
+            child.parent = parent
+            if parent is not None:
+                parent.children.add(child)
+            else:
+                self._root(child, True)
+        if parent is not None:
+            if not parent.children:
+                parent.children = None
+            self._refile([parent], [])
+        needers, sizes = self.needers, self.ledger.sizes
+        for key in b.needs:
+            n = needers[key] - 1
+            if n or key in sizes:
+                needers[key] = n
+            else:
+                del needers[key]
+            if n == 0 and key in sizes and key not in self.state_of:
+                self.watcher.orphaned(key, True)
+
+    def _refile(self, changed: Sequence[Boundary], scored: Sequence[Boundary]) -> None:
+        if scored:
+            self.watcher.scored(scored)
+        for b in changed:
+            self.watcher.file(b)
+
+    def _head(self, b: Boundary) -> bytes:
+        """The first key of its chain."""
+        seg = b.needs
+        while seg.up is not None:
+            seg = seg.up
+        return seg.keys[:KEY_WIDTH]
+
+    def _root(self, b: Boundary, present: bool) -> None:
+        if b.needs is NO_NEEDS:
+            return
+        head = self._head(b)
+        if present:
+            self._roots.setdefault(head, set()).add(b)
+            return
+        roots = self._roots[head]
+        roots.discard(b)
+        if not roots:
+            del self._roots[head]
+
+    def clear(self) -> None:
+        self.state_of.clear()
+        self.needers.clear()
+        self._roots.clear()
+        self.count = 0

@@ -1,0 +1,133 @@
+"""The byte ledger of the CPU tier and what must stay in it: the first part of the
+scheduler side's index (core/index.py).
+
+It counts every entry the workers hold in CPU memory, with its bytes over all ranks,
+against the budget, and knows which entries may not be evicted now: those *pinned* (a
+pending hit or load reads them, a running request owns them) and those being
+*promoted* (read into CPU memory from a lower tier, not ready to read yet). An eviction
+policy is told each time entries in CPU memory become held or evictable
+(`HoldWatcher.hold`), so that it never looks at held entries to pass over them.
+
+Every call costs O(1) per key: the pin total (`pinned`) and the bytes held are counters
+kept as pins come and go, not sums taken when asked, because the scheduler side reports
+them every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+
+class HoldWatcher(Protocol):
+    def hold(self, keys: list[bytes], held: bool) -> None:
+        """Entries in CPU memory were pinned (`held`), or are evictable again (unpinned,
+        or read by every rank)."""
+
+
+class Ledger:
+    def __init__(self, capacity: int, ranks: int):
+        self.capacity = capacity
+        self.ranks = ranks
+        # key -> bytes over all ranks. Sizes are few (one per group), so each distinct
+        # one is a single int object shared by every entry of that size.
+        self.sizes: dict[bytes, int] = {}
+        self._interned: dict[int, int] = {}
+        self.used = 0
+        self.held_bytes = 0  # of the entries in CPU memory that are pinned or promoting
+        self._pins: dict[bytes, int] = {}  # key -> pins (a key no longer pinned leaves)
+        self.pinned = 0  # every pin, counted as often as it was taken
+        self.promoting: dict[bytes, int] = {}  # key -> bitmask of the ranks that read it
+        self.watcher: HoldWatcher | None = None
+
+    def is_pinned(self, key: bytes) -> bool:
+        return key in self._pins
+
+    def held(self, key: bytes) -> bool:
+        return key in self._pins or key in self.promoting
+
+    def evictable_bytes(self) -> int:
+        """An upper bound on what evicting could free now."""
+        return self.used - self.held_bytes
+
+    # ---- pins -----------------------------------------------------------------------------
+    def pin(self, keys: Iterable[bytes]) -> None:
+        pins, sizes, promoting = self._pins, self.sizes, self.promoting
+        held = []
+        for key in keys:
+            n = pins.get(key, 0)
+            pins[key] = n + 1
+            self.pinned += 1
+            if not n and key in sizes and key not in promoting:
+                held.append(key)
+        if held:
+            self._changed(held, True)
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        """Release one pin of each key (a key not pinned is passed over)."""
+        pins, sizes, promoting = self._pins, self.sizes, self.promoting
+        released = []
+        for key in keys:
+            n = pins.get(key, 0)
+            if n > 1:
+                pins[key] = n - 1
+            elif n == 1:
+                del pins[key]
+                if key in sizes and key not in promoting:
+                    released.append(key)
+            else:
+                continue
+            self.pinned -= 1
+        if released:
+            self._changed(released, False)
+
+    # ---- promotions -----------------------------------------------------------------------
+    def start_promotion(self, key: bytes) -> None:
+        """Before the entry is admitted: it enters CPU memory held."""
+        self.promoting[key] = 0
+
+    def promoted_on(self, key: bytes, rank: int) -> bool:
+        """A rank read the entry; whether every rank has, which ends the promotion."""
+        ranks = self.promoting[key] | 1 << rank
+        if ranks.bit_count() < self.ranks:
+            self.promoting[key] = ranks
+            return False
+        del self.promoting[key]
+        if key not in self._pins and key in self.sizes:
+            self._changed([key], False)
+        return True
+
+    def cancel_promotion(self, key: bytes) -> None:
+        """Of an entry that never entered CPU memory (no room for it)."""
+        del self.promoting[key]
+
+    # ---- entries --------------------------------------------------------------------------
+    def insert(self, key: bytes, nbytes: int) -> None:
+        nbytes = self._interned.setdefault(nbytes, nbytes)
+        self.sizes[key] = nbytes
+        self.used += nbytes
+        if self.held(key):
+            self.held_bytes += nbytes
+
+    def remove(self, key: bytes) -> None:
+        """Forget an entry (in CPU memory or being promoted there), its promotion too."""
+        size = self.sizes.pop(key, None)
+        if size is not None:
+            self.used -= size
+            if self.held(key):
+                self.held_bytes -= size
+        self.promoting.pop(key, None)
+
+    def clear(self) -> None:
+        """Forget every entry; pins stay (their requests release them)."""
+        self.sizes.clear()
+        self.promoting.clear()
+        self.used = self.held_bytes = 0
+
+    def _changed(self, keys: list[bytes], held: bool) -> None:
+        """`keys`, in CPU memory, became held (or evictable) all at once."""
+        sizes = self.sizes
+        change = sum(sizes[key] for key in keys)
+        self.held_bytes += change if held else -change
+        if self.watcher is not None:
+            self.watcher.hold(keys, held)
