@@ -364,9 +364,13 @@ class BoundaryPolicy:
 
     def _order(self) -> Iterator[tuple[bool, Boundary]]:
         looping = self.looping
-        cutoff = self.graph.tick - LIVE_GAPS * self.return_gap
-        self._leaves.sync(cutoff)
-        self._forks.sync(cutoff)
+        if looping:
+            # Only the looping order splits dead from live (core/boundary_order.py), and
+            # moving the boundaries a cutoff crossed is the costly part of a choice:
+            # without returns the cutoff is the clock, crossed by every boundary.
+            cutoff = self.graph.tick - LIVE_GAPS * self.return_gap
+            self._leaves.sync(cutoff)
+            self._forks.sync(cutoff)
         for b in self._superseded:
             yield True, b
         for b in self._leaves.order(looping):
