@@ -112,6 +112,7 @@ class Completion:
     cached_tokens: int
     prompt_tokens: int
     finish_reason: str | None
+    logprobs: list[float] = field(default_factory=list)  # of each chosen token
 
 
 _RECORD = re.compile(r"^\((?P<proc>[^)]*)\) (?P<level>[A-Z]+) \S+ \S+ \[(?P<site>[^\]]+)\]")
@@ -384,7 +385,9 @@ async def complete(
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=0,
-        extra_body={"return_token_ids": True, **extra},
+        logprobs=1,
+        # The test servers load no tokenizer: logprobs name their tokens by id.
+        extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True, **extra},
     )
     choice = r.choices[0]
     details = r.usage.prompt_tokens_details if r.usage else None
@@ -393,6 +396,7 @@ async def complete(
         cached_tokens=(details.cached_tokens or 0) if details else 0,
         prompt_tokens=r.usage.prompt_tokens if r.usage else len(prompt),
         finish_reason=choice.finish_reason,
+        logprobs=list(choice.logprobs.token_logprobs) if choice.logprobs else [],
     )
 
 
@@ -436,11 +440,3 @@ async def cancel_after(coro: Any, delay: float) -> bool:
 async def gather_all(coros: list[Any]) -> list[Any]:
     """All at once; exceptions are returned in place, so every failure can be counted."""
     return await asyncio.gather(*coros, return_exceptions=True)
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (the shorter length if one is a prefix)."""
-    if a == b:
-        return None
-    pairs = enumerate(zip(a, b, strict=False))
-    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
