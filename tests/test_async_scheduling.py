@@ -64,8 +64,17 @@ def model_dir(tmp_path_factory):
     return config_dir(tmp_path_factory)
 
 
-def _configs(model_dir, async_scheduling: bool, num_blocks: int = NUM_BLOCKS):
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+def _configs(
+    model_dir, async_scheduling: bool, num_blocks: int = NUM_BLOCKS, kv_events: bool = False
+):
+    from vllm.config import (
+        CacheConfig,
+        KVEventsConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -90,6 +99,8 @@ def _configs(model_dir, async_scheduling: bool, num_blocks: int = NUM_BLOCKS):
             kv_load_failure_policy="recompute",
         ),
     )
+    if kv_events:
+        vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     # The CPU platform turns async scheduling off; on a GPU it is the default.
     vllm_config.scheduler_config.async_scheduling = async_scheduling
     vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -137,6 +148,7 @@ class Engine:
     # Called with the step's number as it starts: where a test lets copies still in
     # flight (a GPU's side streams) land.
     copies_land: Callable[[int], None] | None = None
+    kv_events: bool = False  # vLLM's KV cache events enabled (a null publisher)
 
     def __post_init__(self):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -154,7 +166,7 @@ class Engine:
         from hybridkv.vllm.layout import group_layer_pages
 
         vllm_config, kv_cache_config = _configs(
-            self.model_dir, self.async_scheduling, self.num_blocks
+            self.model_dir, self.async_scheduling, self.num_blocks, self.kv_events
         )
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
         cls = AsyncScheduler if self.async_scheduling else Scheduler
@@ -427,6 +439,35 @@ def test_decode_states_are_stored_under_their_final_tokens(model_dir, async_sche
     eng.add("a2", list(a.all_token_ids) + _prompt(10, 3), max_tokens=3)
     eng.run()
     assert side.stats.hit_tokens - hits == 64 and eng.first_start["a2"] == 64
+    eng.check_entries()
+    eng.check_settled()
+
+
+def test_a_fault_in_the_kv_events_turns_them_off_and_nothing_else(model_dir, monkeypatch):
+    """The index tells the KV cache events of every change in the middle of its own (an
+    eviction, a store). A fault in the events' tracker (injected: no input makes the real
+    one fail) must not leave such a change half done nor reach vLLM (which asks for the
+    events every step): the events stop, and stores and restores go on as before."""
+    from hybridkv.core.resumable import ResumableTracker
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected tracker fault")
+
+    eng = Engine(model_dir, async_scheduling=False, kv_events=True)
+    events = eng.side.events
+    assert events is not None and not events.broken
+    monkeypatch.setattr(ResumableTracker, "changed", fail)
+    a = eng.add("a", _prompt(40, 1), max_tokens=25)
+    eng.run()  # vLLM's scheduler calls take_events after every step
+    assert events.broken and eng.side.snapshot()["kv_events_stopped"] == 1
+    assert list(eng.sched.connector.take_events()) == []
+    eng.check_entries()
+    eng.check_settled()
+    assert eng.sched.reset_prefix_cache()
+    hits = eng.side.stats.hit_tokens
+    eng.add("a2", list(a.all_token_ids) + _prompt(10, 3), max_tokens=3)
+    eng.run()
+    assert eng.side.stats.hit_tokens - hits == 64 and eng.first_start["a2"] == 64
     eng.check_entries()
     eng.check_settled()
 

@@ -23,6 +23,7 @@ tracker watches the entry; it is dropped after the announcement that retracts it
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from hybridkv.core.index import StoreIndex
+
+log = logging.getLogger(__name__)
 
 MEDIA = {"cpu": MEDIUM_CPU, "disk": MEDIUM_STORAGE}
 OWNERSHIP = "hybridkv"
@@ -115,24 +118,45 @@ class KVEvents:
         tiers = ("cpu", "disk") if disk else ("cpu",)
         self.tracker = ResumableTracker(tiers, self._present)
         self._payloads: dict[bytes, _Payload] = {}
+        self.broken = False  # an error in the tracker turned the events off
 
     def _present(self, tier: str, key: bytes) -> bool:
         return self.index.in_cpu(key) if tier == "cpu" else self.index.on_disk(key)
 
     # ---- what the index tells -------------------------------------------------------------
+    # The index calls these in the middle of its own changes (an eviction, a promotion):
+    # an error here must not leave one half done, so it turns the events off instead.
     def changed(self, tier: str, key: bytes, present: bool) -> None:
-        if tier in self.tracker.tiers:
+        if self.broken or tier not in self.tracker.tiers:
+            return
+        try:
             self.tracker.changed(tier, key, present)
+        except Exception:
+            self.stop()
 
     def cleared(self) -> None:
-        for tier in self.tracker.tiers:
-            self.tracker.clear(tier)
+        if self.broken:
+            return
+        try:
+            for tier in self.tracker.tiers:
+                self.tracker.clear(tier)
+        except Exception:
+            self.stop()
+
+    def stop(self) -> None:
+        """After an error in the tracker: what it holds may be half changed, so no event
+        from it can be trusted any more."""
+        log.exception("hybridkv: KV cache events failed; publishing no more of them")
+        self.broken = True
+        self._payloads.clear()
 
     # ---- what requests tell ---------------------------------------------------------------
     def observe(self, request: Request, keys: Sequence[bytes], boundaries: Sequence[int]) -> None:
         """The request stored (or restored) boundaries `boundaries` (tokens, chunk-aligned)
         of its chain `keys`: register the chunks they read and the boundaries, with the
         payloads of their entries."""
+        if self.broken:
+            return
         C = self.planner.chunk_tokens
         hashes = [
             resolve_block_hashes(request.block_hashes, self.hash_block_size, g.block_tokens)
@@ -193,6 +217,8 @@ class KVEvents:
     def take(self) -> list[KVCacheEvent]:
         """The step's events: one `BlockStored` per entry that became resumable on a tier,
         one `BlockRemoved` per (tier, group) for those that stopped being so."""
+        if self.broken:
+            return []
         events: list[KVCacheEvent] = []
         for a in self.tracker.take():
             medium = MEDIA[a.tier]

@@ -570,14 +570,14 @@ class SchedulerSide:
 
     def _observe(self, st: _RequestState, keys: list[bytes], boundaries: Iterable[int]) -> None:
         """Tell the KV cache events (if enabled) of boundaries the request stored or
-        restored: they take their block hashes and tokens from it. An error here costs
-        events, never a store or a hit."""
-        if self.events is None:
+        restored: they take their block hashes and tokens from it. An error here turns
+        the events off (counted), never costs a store or a hit."""
+        if self.events is None or self.events.broken:
             return
         try:
             self.events.observe(st.request, keys, sorted(boundaries))
         except Exception:
-            log.exception("hybridkv: recording KV cache events failed")
+            self.events.stop()
             self.stats.hook_errors += 1
 
     def _stage(
@@ -811,6 +811,7 @@ class SchedulerSide:
             "promoted_from": dict(self.index.promoted_from),
             "probe_round_trips": self.probe.round_trips if self.probe else 0,
             "probe_lookups": self.probe.lookups if self.probe else 0,
+            "kv_events_stopped": int(self.events is not None and self.events.broken),
             "block_size_restores": self.split_guard.restores if self.split_guard else 0,
         }
 
