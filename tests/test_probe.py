@@ -53,6 +53,21 @@ def test_answers_lapse_and_failed_reads_count_as_absent():
     assert wait_answered(probe, [b"a"]) == [b"a"]
 
 
+def test_lapsed_answers_are_forgotten_and_fresh_ones_kept():
+    """A round trip drops the answers that lapsed (memory stays bounded by what was asked
+    within `ttl_s`), oldest first; a key answered again keeps its new answer."""
+    stored = {b"a"}
+    # A ttl far longer than the few round trips after the sleep take on any machine.
+    probe = Probe("redis", lambda keys: [k in stored for k in keys], ttl_s=2.0)
+    old = [bytes([i]) * 4 for i in range(100)]
+    wait_answered(probe, old + [b"a"])
+    time.sleep(2.1)
+    assert wait_answered(probe, [b"a"]) == [b"a"]  # asked again: lapsed
+    assert wait_answered(probe, [b"x"]) == []  # this round trip drops the lapsed ones
+    assert set(probe._answers) == {b"a", b"x"}
+    assert probe.held([b"a"]) == ([b"a"], False)
+
+
 def test_a_raising_tier_is_an_absence_not_an_error():
     def broken(keys):
         raise ConnectionError("down")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,6 +36,9 @@ class Probe:
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._answers: dict[bytes, tuple[bool, float]] = {}  # key -> (held, good until)
+        # (good until, key) in the order given: lapsed answers go oldest first, so a
+        # round trip never passes over all of them under the lock the lookups take.
+        self._given: deque[tuple[float, bytes]] = deque()
         self._wanted: dict[bytes, None] = {}  # keys with no fresh answer, for the next ask
         self._asking: set[bytes] = set()  # keys of the round trip out
         self._waiting = 0  # lookups whose keys are in `_wanted`
@@ -96,11 +100,9 @@ class Probe:
             with self._lock:
                 self.round_trips += 1
                 self.lookups += lookups
-                now = time.monotonic()
-                for key in [k for k, (_, t) in self._answers.items() if t <= now]:
-                    del self._answers[key]
+                self._drop_lapsed()
                 for key, present in zip(keys, found, strict=True):
-                    self._answers[key] = (present, until)
+                    self._answer(key, present, until)
                 self._asking = set()
                 if not (self._again and self._wanted):
                     self._sending = False
@@ -110,13 +112,27 @@ class Probe:
         """A read of `key` failed (damaged, gone): treat it as absent until the answer
         would have lapsed, rather than have the lookup retry it every step."""
         with self._lock:
-            self._answers[key] = (False, time.monotonic() + self.ttl_s)
+            self._answer(key, False, time.monotonic() + self.ttl_s)
+
+    def _answer(self, key: bytes, present: bool, until: float) -> None:
+        self._answers[key] = (present, until)
+        self._given.append((until, key))
+
+    def _drop_lapsed(self) -> None:
+        """Forget the answers that lapsed (O(1) per answer given; with the lock held)."""
+        now, given, answers = time.monotonic(), self._given, self._answers
+        while given and given[0][0] <= now:
+            until, key = given.popleft()
+            answer = answers.get(key)
+            if answer is not None and answer[1] == until:  # not answered again since
+                del answers[key]
 
     def clear(self) -> None:
         """Forget every answer (a reset of the engine's view): the next lookups ask anew,
         and find what the tier holds now, their own engine's stores included."""
         with self._lock:
             self._answers.clear()
+            self._given.clear()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
