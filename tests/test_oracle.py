@@ -59,8 +59,7 @@ def exhaustive(trace: Trace, geometry: Geometry, cap: Capacity) -> int:
         keys = block_chain(prompts[t], CHUNK)
         items = {(g, key) for g in attention for key in keys}
         if state is not None:
-            top = planner.max_hit_chunks(len(prompts[t]))
-            items |= {(state, key) for key in keys[:top]}
+            items |= {(state, key) for key in keys}
         return frozenset(items)
 
     owns = [own(t) for t in range(len(prompts))]

@@ -22,7 +22,8 @@ of them (or both), and each must fit: between requests the pool holds at most
 least its full-attention blocks for every prompt token and one state block per recurrent
 group (`running_blocks`), so the items kept through it get the rest. After a request the
 policy keeps any subset of what it held and of the request's own items: its full and
-window chunks c < floor(L / g) and its boundaries at every k g <= L - 1, and may move
+window chunks c < floor(L / g) and its boundaries at every k g <= L (the state after
+the whole prompt included: vLLM caches it when L is a multiple of g), and may move
 any held item between the two places at any moment. The oracle is the best total of hit
 tokens over all such policies.
 
@@ -259,7 +260,6 @@ def packing(trace: Trace, geometry: Geometry) -> Packing:
             opts.append((r, reach, max(state, 0), held_from, *lows))
         for key in keys:
             last_chunk[key] = r
-        for key in keys[:top]:
             last_state[key] = r
     seg_arr = np.array(seg, dtype=np.int64).reshape(-1, 3)
     opt_arr = np.array(opts, dtype=np.int64).reshape(-1, 4 + len(geometry.windows))
