@@ -364,10 +364,16 @@ def test_budget_pins_and_whole_boundaries_hold_under_any_sequence(ops, capacity,
             # The chain tree links only boundaries in CPU memory, both ways.
             assert b.parent is None or (b.parent in boundaries and b in b.parent.children)
             assert all(c.parent is b for c in b.children or ())
-        # Each attention entry counts the boundaries that need it.
+        # A segment's references are the boundaries that end on it and the live segments
+        # that extend it; each attention entry counts the live segments that hold it, so
+        # it is needed exactly when a boundary needs it.
+        live = {s for b in boundaries for s in b.needs.path() if s.keys}
+        ends = Counter(b.needs for b in boundaries)
+        assert all(s.refs == ends[s] + sum(t.up is s for t in live) for s in live)
         assert {k: n for k, n in graph.needers.items() if n} == Counter(
-            k for b in boundaries for k in b.needs
+            k for s in live for k in s.own()
         )
+        assert set(graph.needers) >= {k for b in boundaries for k in b.needs}
         # The eviction order sees every orphan, and nothing else as one.
         orphans = [k for k in index.ledger.sizes if graph.is_orphan(k)]
         assert all(k in index.policy._orphans for k in orphans)

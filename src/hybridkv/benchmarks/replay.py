@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from collections import Counter, deque
+from collections.abc import Mapping
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -152,7 +153,7 @@ def kv_geometry(llm) -> dict[str, Any]:
     return {"groups": groups, "num_gpu_blocks": kv.num_blocks}
 
 
-def cpu_entries(index) -> dict[bytes, int] | None:
+def cpu_entries(index) -> Mapping[bytes, int] | None:
     """The index's entries in CPU memory (key -> bytes): its ledger's, or before the
     ledger was split out (an older revision replayed as `hybridkv@REV`) its own map."""
     ledger = getattr(index, "ledger", None)

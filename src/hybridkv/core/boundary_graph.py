@@ -6,16 +6,21 @@ plus the attention chunks before it (its *needs*). The graph records, per bounda
 states, what it needs, what keeping it costs beyond the chain's previous boundary
 (`own_bytes`), its last use on a logical clock, and its place in the chain tree: its
 *parent* is the chain's previous boundary in CPU memory, its *children* the longer ones
-that extend it. Per attention entry it counts the boundaries that need it; an entry in
-CPU memory that is neither a state of a boundary nor needed by one is an *orphan* (it
-serves no hit). The graph decides nothing: it tells a `GraphWatcher` (the eviction
-policy) what changed, boundary by boundary and orphan by orphan.
+that extend it. An attention entry in CPU memory that is neither a state of a boundary
+nor needed by one is an *orphan* (it serves no hit). The graph decides nothing: it tells
+a `GraphWatcher` (the eviction policy) what changed, boundary by boundary and orphan by
+orphan.
 
 Compact records, because a production CPU tier holds a million entries: a boundary's
 needs are a chain of `Segment`s, each the keys one boundary added beyond the segment it
 extends, packed into one bytes object, so the boundaries of a chain share its keys
-instead of each holding a tuple of all of them; an attention entry's count of users is
-one small int in one dict, keyed by the same key object the byte ledger holds.
+instead of each holding a tuple of all of them. A segment counts what refers to it
+(`refs`: boundaries that end on it, segments that extend it) and lives while that is
+above 0; per attention entry one small int counts the live segments that hold it (in a
+`KeyMap`, keyed by the same key object the byte ledger holds). So a boundary admitted or
+forgotten below another of its chain touches only the keys of its own segment, not its
+whole chain's (a 24k-token prompt's boundary needs 96 chunks; its own segment, the few
+chunks of its turn), and an eviction choice counts what it frees the same way (`dies`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from hybridkv.core.keymap import KeyMap
 from hybridkv.core.keys import KEY_BYTES
 from hybridkv.core.ledger import Ledger
 
@@ -37,6 +43,7 @@ class Segment:
 
     keys: bytes
     up: Segment | None
+    refs: int = 0  # boundaries ending on it and segments extending it: it lives while > 0
 
     def path(self) -> list[Segment]:
         """This segment and the ones above it, the chain's first first."""
@@ -65,6 +72,24 @@ class Segment:
                 at = seg.keys.find(key, at + 1)
             seg = seg.up
         return False
+
+    def own(self) -> Iterator[bytes]:
+        """Its own keys (not those of the segments above it)."""
+        W = KEY_WIDTH
+        return iter([self.keys[i : i + W] for i in range(0, len(self.keys), W)])
+
+    def dies(self, left: dict[Segment, int]) -> Iterator[Segment]:
+        """The segments that die when one reference to this one goes, this one first,
+        with `left` holding references already dropped (a choice's, not applied yet:
+        `left` maps a segment to the references it has left)."""
+        seg: Segment | None = self
+        while seg is not None and seg is not NO_NEEDS:
+            n = left.get(seg, seg.refs) - 1
+            left[seg] = n
+            if n:
+                return
+            yield seg
+            seg = seg.up
 
 
 NO_NEEDS = Segment(b"", None)
@@ -128,10 +153,11 @@ class BoundaryGraph:
         self.ledger = ledger
         self.watcher = watcher
         self.tick = 0  # logical clock of uses
-        self.state_of: dict[bytes, Boundary] = {}
-        # Attention entry -> boundaries that need it. Every entry admitted on its own is
-        # listed (0 while none needs it), so this table and the ledger's share its key.
-        self.needers: dict[bytes, int] = {}
+        self.state_of: KeyMap[Boundary] = KeyMap()
+        # Attention entry -> live segments that hold it (it is needed while > 0). Every
+        # entry admitted on its own is listed (0 while none needs it), so this table and
+        # the ledger's share its key.
+        self.needers: KeyMap[int] = KeyMap()
         # Boundaries without a parent, by their chain's first key (a junction adopts from
         # these; with a parent, from its children).
         self._roots: dict[bytes, set[Boundary]] = {}
@@ -222,14 +248,26 @@ class BoundaryGraph:
         else:
             self._root(b, True)
         adopted = self._adopt(b, needs[-1]) if needs else []
-        needers, sizes = self.needers, self.ledger.sizes
-        for key in needs:
-            n = needers.get(key, 0)
-            needers[key] = n + 1
-            if n == 0 and key in sizes and key not in self.state_of:
-                self.watcher.orphaned(key, False)
+        self._refer(b.needs)
         self._refile(changed + adopted, [b, *adopted])
         return b
+
+    def _refer(self, seg: Segment) -> None:
+        """One more reference to `seg`; a segment that comes alive refers to the one it
+        extends, and its keys count it."""
+        needers, sizes, state_of = self.needers, self.ledger.sizes, self.state_of
+        while seg is not NO_NEEDS:
+            seg.refs += 1
+            if seg.refs > 1:
+                return
+            for key in seg.own():
+                n = needers.get(key, 0)
+                needers[key] = n + 1
+                if n == 0 and key in sizes and key not in state_of:
+                    self.watcher.orphaned(key, False)
+            if seg.up is None:
+                return
+            seg = seg.up
 
     def _segment(self, needs: Sequence[bytes], parent: Boundary | None) -> Segment:
         if not needs:
@@ -246,7 +284,11 @@ class BoundaryGraph:
 
     def _adopt(self, b: Boundary, last: bytes) -> list[Boundary]:
         """The boundaries `b` adopts (see `add`); each one's cost is what it keeps beyond
-        `b` now."""
+        `b` now. Only a boundary that needs `b`'s last chunk passes through `b`, so when
+        none does (`b` is not admitted below a longer one: nearly always) the siblings,
+        thousands under one shared system prompt, are not looked at."""
+        if not self.needers.get(last):
+            return []
         siblings = b.parent.children if b.parent is not None else self._roots.get(self._head(b))
         adopted = [
             o for o in siblings or () if o is not b and o.tokens > b.tokens and last in o.needs
@@ -296,14 +338,19 @@ class BoundaryGraph:
                 parent.children = None
             self._refile([parent], [])
         needers, sizes = self.needers, self.ledger.sizes
-        for key in b.needs:
-            n = needers[key] - 1
-            if n or key in sizes:
-                needers[key] = n
-            else:
-                del needers[key]
-            if n == 0 and key in sizes and key not in self.state_of:
-                self.watcher.orphaned(key, True)
+        left: dict[Segment, int] = {}
+        dead = list(b.needs.dies(left))
+        for seg, n in left.items():
+            seg.refs = n
+        for seg in reversed(dead):  # the chain's first first, as orphans are ordered
+            for key in seg.own():
+                n = needers[key] - 1
+                if n or key in sizes:
+                    needers[key] = n
+                else:
+                    del needers[key]
+                if n == 0 and key in sizes and key not in self.state_of:
+                    self.watcher.orphaned(key, True)
 
     def _refile(self, changed: Sequence[Boundary], scored: Sequence[Boundary]) -> None:
         if scored:

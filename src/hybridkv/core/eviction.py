@@ -98,7 +98,7 @@ from typing import Protocol
 
 from sortedcontainers import SortedKeyList, SortedList
 
-from hybridkv.core.boundary_graph import Boundary, BoundaryGraph
+from hybridkv.core.boundary_graph import Boundary, BoundaryGraph, Segment
 from hybridkv.core.boundary_order import BoundaryOrder
 from hybridkv.core.ghosts import Ghosts
 from hybridkv.core.ledger import Ledger
@@ -382,7 +382,8 @@ class BoundaryPolicy:
         """Add boundaries to `choice` until `needed` more bytes are freed; how many were."""
         ledger, needers = self.ledger, self.graph.needers
         sizes = ledger.sizes
-        left: dict[bytes, int] = {}  # needed chunk -> boundaries needing it not taken yet
+        left: dict[bytes, int] = {}  # needed chunk -> live segments holding it, after these
+        refs: dict[Segment, int] = {}  # segment -> references left, after these
         freed = 0
         for superseded, b in self._order():
             if freed >= needed:
@@ -394,14 +395,17 @@ class BoundaryPolicy:
             for key in b.states:
                 choice.keys.append(key)
                 freed += sizes[key]
-            for key in b.needs:
-                if key in sizes and not ledger.held(key):
-                    n = left.get(key, needers[key]) - 1
-                    left[key] = n
-                    if n == 0:
-                        choice.keys.append(key)
-                        freed += sizes[key]
-                        last_use[key] = b.used
+            # Only the segments no boundary left after this choice refers to free chunks
+            # (core/boundary_graph.py): the chain's first first, as its needs run.
+            for seg in reversed(list(b.needs.dies(refs))):
+                for key in seg.own():
+                    if key in sizes and not ledger.held(key):
+                        n = left.get(key, needers[key]) - 1
+                        left[key] = n
+                        if n == 0:
+                            choice.keys.append(key)
+                            freed += sizes[key]
+                            last_use[key] = b.used
         return freed
 
     def clear(self) -> None:

@@ -196,6 +196,14 @@ class StoreIndex:
             return False
         return self.lower.on_disk(key) if tier == "disk" else self.lower.on_tier(key, tier)
 
+    def unknown_in(self, keys: Iterable[bytes], tier: str) -> list[bytes]:
+        """Of `keys`, those neither in CPU memory (or on their way) nor in `tier`:
+        `known_in` for all the keys of a lookup at once."""
+        keys = self.ledger.sizes.missing(keys)
+        if tier == "disk":
+            return [key for key in keys if not self.lower.on_disk(key)]
+        return self.lower.not_hinted(tier, keys)
+
     def hint(self, tier: str, keys: Iterable[bytes], until: float) -> None:
         """A probe found `keys` in a shared tier: trust it until `until` (monotonic)."""
         self.lower.hint(tier, keys, until)
@@ -281,6 +289,11 @@ class StoreIndex:
         # Dropped earlier this step and stored again: the workers' copy stays good.
         self._evict.pop(key, None)
         self._delete.pop(key, None)
+
+    def make_room(self, nbytes: int) -> bool:
+        """Evict (by the policy) until entries of `nbytes` on one rank fit, ahead of
+        their admissions; False, and nothing evicted, if they cannot."""
+        return self._make_room(nbytes * self.ranks)
 
     def _make_room(self, nbytes: int) -> bool:
         """Evict until `nbytes` more fit; False, and nothing evicted, if they cannot."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import blake3
 
@@ -100,9 +100,21 @@ def chunk_keys(
     return extend_chain([], seed, tokens, chunk_tokens, chunk_extras)
 
 
+_GROUP_SUFFIX = tuple(g.to_bytes(2, "big") for g in range(256))
+
+
 def group_key(chunk_key: bytes, group_id: int) -> bytes:
     """Key of one group's data for one chunk: groups are stored and evicted separately."""
+    if 0 <= group_id < 256:  # the suffixes of the groups any layout has, made once
+        return chunk_key + _GROUP_SUFFIX[group_id]
     return chunk_key + group_id.to_bytes(2, "big")
+
+
+def group_keys(chunk_keys: Iterable[bytes], groups: int) -> list[bytes]:
+    """`group_key` of every chunk for groups 0 to `groups` - 1, chunk by chunk: what a
+    lookup asks about, hundreds at a time, so without a call per key."""
+    suffixes = [group_key(b"", g) for g in range(groups)]
+    return [key + suffix for key in chunk_keys for suffix in suffixes]
 
 
 def split_group_key(key: bytes) -> tuple[bytes, int]:

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
+from hybridkv.core.keymap import KeyMap
+
 
 class HoldWatcher(Protocol):
     def hold(self, keys: list[bytes], held: bool) -> None:
@@ -31,7 +33,7 @@ class Ledger:
         self.ranks = ranks
         # key -> bytes over all ranks. Sizes are few (one per group), so each distinct
         # one is a single int object shared by every entry of that size.
-        self.sizes: dict[bytes, int] = {}
+        self.sizes: KeyMap[int] = KeyMap()
         self._interned: dict[int, int] = {}
         self.used = 0
         self.held_bytes = 0  # of the entries in CPU memory that are pinned or promoting

@@ -8,25 +8,25 @@ while (`hint`) and then lapses.
 
 A disk key's ranks are one int (a bitmask: with up to eight ranks one of Python's cached
 small ints), not a set per key, because a disk tier lists far more entries than CPU
-memory holds. Lapsed hints are dropped oldest first as new ones come (a queue in the
-order they were given), so an answer costs O(1) per key it names, not a pass over every
-hint; `on_tier` checks the time itself, so one not dropped yet is never trusted.
+memory holds. Hints lapse as core/lapsing.py says: O(1) per key an answer names, never
+a pass over every hint.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
+
+from hybridkv.core.keymap import KeyMap
+from hybridkv.core.lapsing import Lapsing
 
 
 class LowerTiers:
     def __init__(self, ranks: int):
         self.ranks = ranks
-        self._disk: dict[bytes, int] = {}  # key -> bitmask of the ranks that reported it
+        self._disk: KeyMap[int] = KeyMap()  # key -> bitmask of the ranks that reported it
         self.disk_entries = 0  # keys every rank reported
-        self._hints: dict[str, dict[bytes, float]] = {}  # tier -> key -> good until
-        self._given: dict[str, deque[tuple[float, bytes]]] = {}  # tier -> (until, key)
+        self._hints: dict[str, Lapsing] = {}  # tier -> what a probe found there
 
     @property
     def tiers(self) -> Iterable[str]:
@@ -53,27 +53,26 @@ class LowerTiers:
 
     def on_tier(self, key: bytes, tier: str) -> bool:
         hints = self._hints.get(tier)
-        until = hints.get(key) if hints else None
-        return until is not None and until > time.monotonic()
+        return hints is not None and bool(hints.get(key, time.monotonic()))
+
+    def not_hinted(self, tier: str, keys: list[bytes]) -> list[bytes]:
+        """Of `keys`, those `tier` is not known to hold (`on_tier` for many keys)."""
+        hints = self._hints.get(tier)
+        return keys if hints is None else hints.without_yes(keys, time.monotonic())
 
     def hint(self, tier: str, keys: Iterable[bytes], until: float) -> None:
         """A probe found `keys` in `tier`: trust it until `until` (monotonic)."""
-        hints = self._hints.setdefault(tier, {})
-        given = self._given.setdefault(tier, deque())
-        now = time.monotonic()
-        while given and given[0][0] <= now:
-            lapsed, key = given.popleft()
-            if hints.get(key) == lapsed:
-                del hints[key]
+        hints = self._hints.setdefault(tier, Lapsing())
+        hints.drop_lapsed(time.monotonic())
         for key in keys:
-            hints[key] = until
-            given.append((until, key))
+            hints.put(key, until)
 
     def forget_hint(self, tier: str, key: bytes) -> None:
-        self._hints.get(tier, {}).pop(key, None)
+        hints = self._hints.get(tier)
+        if hints is not None:
+            hints.pop(key)
 
     def clear(self) -> None:
         self._disk.clear()
         self.disk_entries = 0
         self._hints.clear()
-        self._given.clear()

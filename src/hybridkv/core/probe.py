@@ -17,9 +17,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+
+from hybridkv.core.lapsing import Lapsing
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,9 @@ class Probe:
         self._contains_many = contains_many
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
-        self._answers: dict[bytes, tuple[bool, float]] = {}  # key -> (held, good until)
-        # (good until, key) in the order given: lapsed answers go oldest first, so a
-        # round trip never passes over all of them under the lock the lookups take.
-        self._given: deque[tuple[float, bytes]] = deque()
+        # Held or not, per key, until the answer lapses; lapsed answers go oldest first,
+        # so a round trip never passes over all of them under the lock lookups take.
+        self._answers = Lapsing()
         self._wanted: dict[bytes, None] = {}  # keys with no fresh answer, for the next ask
         self._asking: set[bytes] = set()  # keys of the round trip out
         self._waiting = 0  # lookups whose keys are in `_wanted`
@@ -53,19 +53,13 @@ class Probe:
         """The keys the tier holds as far as fresh answers go, and whether some of
         `keys` have none: those join the next round trip (`send`)."""
         now = time.monotonic()
-        held, unknown, new = [], False, False
         with self._lock:
-            for key in keys:
-                answer = self._answers.get(key)
-                if answer is None or answer[1] <= now:
-                    unknown = True
-                    if key not in self._asking and key not in self._wanted:
-                        self._wanted[key] = None
-                        new = True
-                elif answer[0]:
-                    held.append(key)
-            self._waiting += int(new)
-        return held, unknown
+            held, unanswered = self._answers.split(keys, now)
+            asking, wanted = self._asking, self._wanted
+            new = [key for key in unanswered if key not in asking and key not in wanted]
+            wanted.update(dict.fromkeys(new))
+            self._waiting += bool(new)
+        return held, bool(unanswered)
 
     def send(self) -> None:
         """Ask about every key the lookups have noted, in one round trip in the
@@ -100,9 +94,9 @@ class Probe:
             with self._lock:
                 self.round_trips += 1
                 self.lookups += lookups
-                self._drop_lapsed()
+                self._answers.drop_lapsed(time.monotonic())
                 for key, present in zip(keys, found, strict=True):
-                    self._answer(key, present, until)
+                    self._answers.put(key, until, present)
                 self._asking = set()
                 if not (self._again and self._wanted):
                     self._sending = False
@@ -112,27 +106,13 @@ class Probe:
         """A read of `key` failed (damaged, gone): treat it as absent until the answer
         would have lapsed, rather than have the lookup retry it every step."""
         with self._lock:
-            self._answer(key, False, time.monotonic() + self.ttl_s)
-
-    def _answer(self, key: bytes, present: bool, until: float) -> None:
-        self._answers[key] = (present, until)
-        self._given.append((until, key))
-
-    def _drop_lapsed(self) -> None:
-        """Forget the answers that lapsed (O(1) per answer given; with the lock held)."""
-        now, given, answers = time.monotonic(), self._given, self._answers
-        while given and given[0][0] <= now:
-            until, key = given.popleft()
-            answer = answers.get(key)
-            if answer is not None and answer[1] == until:  # not answered again since
-                del answers[key]
+            self._answers.put(key, time.monotonic() + self.ttl_s, False)
 
     def clear(self) -> None:
         """Forget every answer (a reset of the engine's view): the next lookups ask anew,
         and find what the tier holds now, their own engine's stores included."""
         with self._lock:
             self._answers.clear()
-            self._given.clear()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from hybridkv.core.index import StoreIndex, WorkerReport
-from hybridkv.core.keys import extend_chain, group_key, split_group_key
+from hybridkv.core.keys import extend_chain, group_key, group_keys, split_group_key
 from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.metrics import Figures
 from hybridkv.core.planner import NULL_BLOCK, EntryCopy, Planner
@@ -197,8 +197,10 @@ class SchedulerSide:
 
     def _keys(self, st: _RequestState, num_tokens: int) -> list[bytes]:
         """Chain keys of the first `num_tokens` tokens' full chunks (`st.ctx` is set)."""
-        tokens = st.request.all_token_ids[:num_tokens]
         C = self.planner.chunk_tokens
+        if len(st.keys) >= num_tokens // C:
+            return st.keys  # keyed already: slicing a 24k-token prompt again costs 20 us
+        tokens = st.request.all_token_ids[:num_tokens]
         return extend_chain(st.keys, st.ctx.seed, tokens, C, st.ctx.chunk_extras)
 
     def num_new_matched_tokens(self, request: Request, local_tokens: int) -> int | None:
@@ -318,15 +320,10 @@ class SchedulerSide:
         tiers); whether an answer is still out (the lookup then waits for it). The keys
         of every lookup of the step go out together, in one round trip (`build_meta`)."""
         C = self.planner.chunk_tokens
-        chunks = range(
-            local_tokens // C, min(len(keys), self.planner.max_hit_chunks(num_prompt_tokens))
+        chunks = keys[local_tokens // C : self.planner.max_hit_chunks(num_prompt_tokens)]
+        unknown = self.index.unknown_in(
+            group_keys(chunks, len(self.layout.groups)), self.probe.name
         )
-        unknown = [
-            key
-            for c in chunks
-            for g in range(len(self.layout.groups))
-            if not self.index.known_in(key := group_key(keys[c], g), self.probe.name)
-        ]
         if not unknown:
             return False
         held, asking = self.probe.held(unknown)
@@ -703,15 +700,18 @@ class SchedulerSide:
         (evicting others) or, without room there and with `spill`, to the lower tiers
         alone. With recurrent groups a boundary's states are admitted together (see
         core/index.py), and the attention chunks the request stores stay pinned until
-        it finishes."""
+        it finishes. Room for all of them is made at once: one eviction choice instead of
+        one per entry (a turn stores a dozen chunks, and each choice costs the scheduler
+        thread tens of microseconds whatever it frees)."""
         out: list[KeyedCopy] = []
         boundaries: dict[int, list[KeyedCopy]] = {}
-        for kc in copies:
-            if self.index.known(kc.key):
-                continue
+        fresh = [kc for kc in copies if not self.index.known(kc.key)]
+        entry_bytes = {kc.key: self.planner.entry_bytes(kc.copy.group) for kc in fresh}
+        self.index.make_room(sum(entry_bytes.values()))
+        for kc in fresh:
             if self.index.recurrent and kc.copy.group in self._state_groups:
                 boundaries.setdefault(kc.copy.chunk, []).append(kc)
-            elif self.index.admit(kc.key, self.planner.entry_bytes(kc.copy.group)):
+            elif self.index.admit(kc.key, entry_bytes[kc.key]):
                 out.append(kc)
                 if self.index.recurrent:
                     self.index.pin([kc.key])

@@ -1,0 +1,86 @@
+"""A request's store is admitted to a full CPU tier with one eviction choice for all its
+entries, and evicts what admitting them one at a time would. Model-free: hybridkv's
+scheduler side on real vLLM `Request`s, with a budget that only holds a few prompts, so
+every store evicts (by construction, not timing)."""
+
+from __future__ import annotations
+
+import random
+
+from conftest import SEED
+
+from hybridkv.core.index import StoreIndex
+from hybridkv.core.keys import group_key
+from hybridkv.core.layout import GroupKind, GroupSpec, Layout
+from hybridkv.core.planner import EntryCopy, Planner
+from hybridkv.core.policy import CheckpointPolicy
+from hybridkv.vllm.metadata import KeyedCopy
+from hybridkv.vllm.scheduler_side import SchedulerSide
+
+BLOCK, ATTN, STATE = 16, 64, 32
+STATES = (1, 2)
+
+
+def side() -> SchedulerSide:
+    full = GroupSpec(GroupKind.FULL, BLOCK, ATTN, ("attn",))
+    states = [GroupSpec(GroupKind.STATE, BLOCK, STATE, (f"gdn.{g}",)) for g in STATES]
+    layout = Layout("test/store-admission", (full, *states))
+    planner = Planner(layout.groups)
+    index = StoreIndex(40 * ATTN, recurrent=True)  # about four prompts of 8 chunks
+    policy = CheckpointPolicy("prompt_and_end", planner.chunk_tokens)
+    return SchedulerSide(layout, planner, policy, index, enabled=True, below=False)
+
+
+def copies(s: SchedulerSide, req) -> tuple[list[bytes], list[KeyedCopy]]:
+    """What a cold prefill of `req` stores: its chunks and its checkpoint's states."""
+    st = s._state(req)
+    ckpt = s.policy.prompt_checkpoint(req.num_prompt_tokens) // BLOCK
+    keys = s._keys(st, ckpt * BLOCK)
+    plan = [EntryCopy(0, c, (0,), (0,)) for c in range(ckpt)]
+    plan += [EntryCopy(g, ckpt - 1, (0,), (0,)) for g in STATES]
+    return keys, [KeyedCopy(group_key(keys[c.chunk], c.group), c) for c in plan]
+
+
+def test_a_store_evicts_once_and_what_one_entry_at_a_time_would():
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    rng = random.Random(SEED)
+    print(f"seed {SEED}")
+    batched, single = side(), side()
+    choices = 0
+    victims = batched.index.policy.victims
+
+    def counted(needed):
+        nonlocal choices
+        choices += 1
+        return victims(needed)
+
+    batched.index.policy.victims = counted
+    evicted = 0
+    for i in range(12):
+        prompt = [rng.randrange(1, 5000) for _ in range(rng.randint(5, 9) * BLOCK + 1)]
+        params = SamplingParams(max_tokens=1)
+        req_a = Request(f"a{i}", prompt, sampling_params=params, pooling_params=None)
+        req_b = Request(f"b{i}", prompt, sampling_params=params, pooling_params=None)
+        keys, planned = copies(batched, req_a)
+        choices = 0
+        stored = batched._admit(batched._state(req_a), keys, planned)
+        assert choices <= 1
+        # The same store, one entry at a time (the chunks, then the boundary's states).
+        keys_b, planned_b = copies(single, req_b)
+        st = single._state(req_b)
+        for kc in planned_b:
+            if kc.copy.group == 0:
+                assert single.index.admit(kc.key, ATTN)
+                single.index.pin([kc.key])
+                st.owned.append(kc.key)
+        single._admit_boundary(keys_b, len(keys_b) * BLOCK, planned_b[-len(STATES) :])
+        assert [kc.key for kc in stored] == [kc.key for kc in planned]
+        orders_a, orders_b = batched.index.take_orders(), single.index.take_orders()
+        assert set(orders_a.evict) == set(orders_b.evict)
+        evicted += len(orders_a.evict)
+        assert batched.index.gauges() == single.index.gauges()
+        batched.request_finished(req_a)
+        single.request_finished(req_b)
+    assert evicted > 0
