@@ -149,6 +149,10 @@ class Engine:
     # flight (a GPU's side streams) land.
     copies_land: Callable[[int], None] | None = None
     kv_events: bool = False  # vLLM's KV cache events enabled (a null publisher)
+    # The worker's copies may land after their step, as on a GPU (tests hold them in
+    # flight with slow_copies.py). False: the scheduler side keeps what the connector
+    # decided for this CPU configuration (a store lands within its step).
+    copies_in_flight: bool = True
 
     def __post_init__(self):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -183,6 +187,8 @@ class Engine:
         init_none_hash(hash_fn)
         self.hasher = get_request_block_hasher(hash_block_size, hash_fn)
         self.side = self.sched.connector.scheduler_side
+        if self.copies_in_flight:
+            self.side.stores_land_in_step = False
         self.worker_conn = HybridKVConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         pages = group_layer_pages(kv_cache_config)
         # One tensor shared by a layer of each group, as vLLM lays out a hybrid cache: a

@@ -75,6 +75,34 @@ def test_a_finished_request_keeps_its_blocks_until_its_stores_land(
     eng.check_settled()
 
 
+@pytest.mark.parametrize("abort", [False, True], ids=["finished", "aborted"])
+def test_on_a_cpu_cache_a_finished_request_frees_its_blocks_at_once(model_dir, abort):
+    """A CPU cache without async scheduling: every store lands within its step (the
+    connector sees it from vLLM's config), so a request that finishes, or is aborted,
+    with stores in its last step gives its blocks back in that step, as with no
+    connector: held a step longer, they would make vLLM's prefix cache evict other
+    blocks in their place. What it stored arrives intact."""
+    from vllm.v1.request import RequestStatus
+
+    eng = Engine(model_dir, False, seed=5, copies_in_flight=False)
+    assert eng.side.stores_land_in_step
+    sched = eng.sched
+    a = eng.add("a", _prompt(40, 31), max_tokens=25)
+    if abort:
+        eng.interrupts = [
+            (
+                lambda: a.num_computed_tokens >= 48,
+                lambda: sched.finish_requests("a", RequestStatus.FINISHED_ABORTED),
+            )
+        ]
+    eng.run(until=a.is_finished)
+    assert "a" not in sched.requests and not held_blocks(eng, "a")
+    assert eng.side.index.gauges()["cpu_entries"] > 0
+    eng.run()
+    eng.check_entries()
+    eng.check_settled()
+
+
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 @pytest.mark.parametrize("async_scheduling", MODES)
 def test_blocks_handed_on_while_a_store_reads_them_never_reach_an_entry(

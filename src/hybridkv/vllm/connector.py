@@ -237,6 +237,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 probe=probe,
                 split_guard=split_guard,
                 events=kv_events(vllm_config, self.layout, self.planner, kv_cache_config, index),
+                stores_land_in_step=vllm_config.device_config.device_type == "cpu"
+                and not vllm_config.scheduler_config.async_scheduling,
             )
             if enabled:
                 check_load_failure_policy(vllm_config)

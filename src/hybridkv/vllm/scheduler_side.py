@@ -140,6 +140,7 @@ class SchedulerSide:
         probe: Probe | None = None,
         split_guard: SplitGuard | None = None,
         events: KVEvents | None = None,
+        stores_land_in_step: bool = False,
     ):
         """`below`: the workers have a tier below CPU memory that takes stores (one
         without CPU room still goes there). `tiers`: the tiers below CPU memory a hit
@@ -147,7 +148,11 @@ class SchedulerSide:
         the shared tier what it holds. `split_guard`: keeps vLLM's prefill split on
         the recurrent blocks (vllm/split_guard.py), checked at every lookup. `events`:
         vLLM KV cache events for what can be resumed (vllm/kv_events.py), if enabled;
-        it follows the index and learns block hashes from the requests here."""
+        it follows the index and learns block hashes from the requests here.
+        `stores_land_in_step`: every store has landed by the time vLLM finishes the
+        requests of its step (a CPU cache without async scheduling: the workers' copies
+        run within `wait_for_save`, before the step's output comes back), so no
+        finished request's blocks need keeping (`request_finished`)."""
         self.layout = layout
         self.planner = planner
         self.policy = policy
@@ -158,6 +163,7 @@ class SchedulerSide:
         self.probe = probe
         self.split_guard = split_guard
         self.events = events
+        self.stores_land_in_step = stores_land_in_step
         if events is not None:
             index.listener = events
         self._fingerprint = layout.fingerprint
@@ -857,10 +863,13 @@ class SchedulerSide:
         """Forget the request and release its pins; whether vLLM must keep its blocks
         until the workers report it in `finished_sending` (vllm/delayed_free.py): while a
         store planned on them may still be copying them out, i.e. some rank has not
-        reported its step's stores landed (on a GPU a store lands after its step; on a
-        CPU within it, but vLLM hands a step's report to `update_connector_output` only
-        after the requests that step finished, so a store in a request's last step
-        delays it one step). A request waiting for a load, hybridkv's or another
+        reported its step's stores landed (on a GPU a store lands after its step). On a
+        CPU cache a store lands within its step (`stores_land_in_step`), and nothing is
+        kept: waiting for the report (vLLM hands a step's report to
+        `update_connector_output` only after the requests that step finished) would hold
+        a finished request's blocks one step longer for nothing, and vLLM's prefix cache
+        would evict other cached blocks in their place (on a held-out trace, a prefix
+        vLLM itself would have hit). A request waiting for a load, hybridkv's or another
         connector's, has had no store planned since vLLM allocated its blocks: vLLM
         keeps them until the load is reported and then frees them itself (a second
         report would find the request gone). A load already planned keeps its pins
@@ -876,7 +885,11 @@ class SchedulerSide:
                 self.index.persist(st.staged)
             landed = min(self._landed.get(rank, 0) for rank in range(self.index.ranks))
             preemptions, step = st.stored_at or (-1, 0)
-            delay = preemptions == request.num_preemptions and step > landed
+            delay = (
+                not self.stores_land_in_step
+                and preemptions == request.num_preemptions
+                and step > landed
+            )
         if delay:
             self._delayed.append(request.request_id)
         return delay
