@@ -106,9 +106,9 @@ def release_finished(llm, max_steps: int = 1000) -> None:
 
     A request whose stores may still read its blocks finishes with them held (vLLM's
     delayed free: hybridkv reports it in `finished_sending` at a later step; a CPU cache
-    delays nothing, so this returns at once there), while `LLM.generate` returns as soon as its outputs are complete; a
-    `reset_prefix_cache` right after would find blocks in use and do nothing. An engine
-    core in its own process steps on by itself."""
+    delays nothing, so this returns at once there), while `LLM.generate` returns as
+    soon as its outputs are complete; a `reset_prefix_cache` right after would find
+    blocks in use and do nothing. An engine core in its own process steps on by itself."""
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
     for _ in range(max_steps if core is not None else 0):
         if not core.scheduler.has_finished_requests():
