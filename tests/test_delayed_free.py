@@ -39,6 +39,22 @@ def held_blocks(eng: Engine, req_id: str) -> list[int]:
     return [b.block_id for group in blocks for b in group if not b.is_null and b.ref_cnt > 0]
 
 
+def finish(eng: Engine, abort: bool) -> None:
+    """Run request "a" until it finishes: its last token, or an abort just after a
+    boundary's step was scheduled (stores in its last step either way)."""
+    from vllm.v1.request import RequestStatus
+
+    a = eng.add("a", _prompt(40, 31), max_tokens=25)
+    if abort:
+        eng.interrupts = [
+            (
+                lambda: a.num_computed_tokens >= 48,
+                lambda: eng.sched.finish_requests("a", RequestStatus.FINISHED_ABORTED),
+            )
+        ]
+    eng.run(until=a.is_finished)
+
+
 @pytest.mark.parametrize("abort", [False, True], ids=["finished", "aborted"])
 @pytest.mark.parametrize("async_scheduling", MODES)
 def test_a_finished_request_keeps_its_blocks_until_its_stores_land(
@@ -49,20 +65,10 @@ def test_a_finished_request_keeps_its_blocks_until_its_stores_land(
     number of steps, until the copies land; then the workers report it once (vLLM
     asserts on a second report) and vLLM frees the blocks. Nothing needed a wait on the
     compute stream or a dropped store."""
-    from vllm.v1.request import RequestStatus
-
     eng = Engine(model_dir, async_scheduling, seed=5)
     sched = eng.sched
     slow = SlowCopies(eng.worker.copies, lambda: eng.steps)
-    a = eng.add("a", _prompt(40, 31), max_tokens=25)
-    if abort:
-        eng.interrupts = [
-            (
-                lambda: a.num_computed_tokens >= 48,
-                lambda: sched.finish_requests("a", RequestStatus.FINISHED_ABORTED),
-            )
-        ]
-    eng.run(until=a.is_finished)
+    finish(eng, abort)
     assert slow.in_flight() > 0
     for _ in range(4):
         eng.step()
@@ -82,20 +88,10 @@ def test_on_a_cpu_cache_a_finished_request_frees_its_blocks_at_once(model_dir, a
     with stores in its last step gives its blocks back in that step, as with no
     connector: held a step longer, they would make vLLM's prefix cache evict other
     blocks in their place. What it stored arrives intact."""
-    from vllm.v1.request import RequestStatus
-
     eng = Engine(model_dir, False, seed=5, copies_in_flight=False)
     assert eng.side.stores_land_in_step
     sched = eng.sched
-    a = eng.add("a", _prompt(40, 31), max_tokens=25)
-    if abort:
-        eng.interrupts = [
-            (
-                lambda: a.num_computed_tokens >= 48,
-                lambda: sched.finish_requests("a", RequestStatus.FINISHED_ABORTED),
-            )
-        ]
-    eng.run(until=a.is_finished)
+    finish(eng, abort)
     assert "a" not in sched.requests and not held_blocks(eng, "a")
     assert eng.side.index.gauges()["cpu_entries"] > 0
     eng.run()
