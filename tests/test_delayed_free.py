@@ -88,6 +88,8 @@ def test_on_a_cpu_cache_a_finished_request_frees_its_blocks_at_once(model_dir, a
     with stores in its last step gives its blocks back in that step, as with no
     connector: held a step longer, they would make vLLM's prefix cache evict other
     blocks in their place. What it stored arrives intact."""
+    # Under async scheduling a step is scheduled before the last one's stores land.
+    assert not Engine(model_dir, True, copies_in_flight=False).side.stores_land_in_step
     eng = Engine(model_dir, False, seed=5, copies_in_flight=False)
     assert eng.side.stores_land_in_step
     sched = eng.sched

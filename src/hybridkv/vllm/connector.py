@@ -237,8 +237,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 probe=probe,
                 split_guard=split_guard,
                 events=kv_events(vllm_config, self.layout, self.planner, kv_cache_config, index),
+                # A CPU cache copies within `wait_for_save`; with one batch in flight
+                # (no async scheduling, no pipeline stages) no step overlaps the next.
                 stores_land_in_step=vllm_config.device_config.device_type == "cpu"
-                and not vllm_config.scheduler_config.async_scheduling,
+                and vllm_config.max_concurrent_batches == 1,
             )
             if enabled:
                 check_load_failure_policy(vllm_config)

@@ -150,9 +150,10 @@ class SchedulerSide:
         vLLM KV cache events for what can be resumed (vllm/kv_events.py), if enabled;
         it follows the index and learns block hashes from the requests here.
         `stores_land_in_step`: every store has landed by the time vLLM finishes the
-        requests of its step (a CPU cache without async scheduling: the workers' copies
-        run within `wait_for_save`, before the step's output comes back), so no
-        finished request's blocks need keeping (`request_finished`)."""
+        requests of its step (a CPU cache with one batch in flight, i.e. neither async
+        scheduling nor pipeline stages: the workers' copies run within `wait_for_save`,
+        before the step's output comes back, and no later step is scheduled meanwhile),
+        so no finished request's blocks need keeping (`request_finished`)."""
         self.layout = layout
         self.planner = planner
         self.policy = policy
