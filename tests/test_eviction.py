@@ -363,7 +363,7 @@ def test_budget_pins_and_whole_boundaries_hold_under_any_sequence(ops, capacity,
             assert all(index.in_cpu(k) for k in b.states)
             # The chain tree links only boundaries in CPU memory, both ways.
             assert b.parent is None or (b.parent in boundaries and b in b.parent.children)
-            assert all(c.parent is b for c in b.children or ())
+            assert all(c.parent is b for c in b.children)
         # A segment's references are the boundaries that end on it and the live segments
         # that extend it; each attention entry counts the live segments that hold it, so
         # it is needed exactly when a boundary needs it.
@@ -374,6 +374,11 @@ def test_budget_pins_and_whole_boundaries_hold_under_any_sequence(ops, capacity,
             k for s in live for k in s.own()
         )
         assert set(graph.needers) >= {k for b in boundaries for k in b.needs}
+        # The shared table keeps a key only while it is in CPU memory or needed.
+        table = index.ledger.table
+        assert sum(map(len, table.parts)) + len(table.away) == len(
+            set(index.ledger.sizes) | set(graph.needers)
+        )
         # The eviction order sees every orphan, and nothing else as one.
         orphans = [k for k in index.ledger.sizes if graph.is_orphan(k)]
         assert all(k in index.policy._orphans for k in orphans)

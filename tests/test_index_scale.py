@@ -25,7 +25,8 @@ import reference_index
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.core.boundary_order import DEAD, LIVE
+from hybridkv.core.boundary_graph import NO_NEEDS, Boundary, by_recent, by_used
+from hybridkv.core.boundary_order import DEAD, LIVE, PROTECTED_DEAD, BoundaryOrder
 from hybridkv.core.index import StoreIndex, WorkerReport
 from hybridkv.core.keys import group_key
 
@@ -408,3 +409,53 @@ def test_at_scale_budget_pins_and_the_workers_view_hold(seed, ranks, rounds):
     run(serving, 2000, after_step)
     assert worker.held == set(index.ledger.sizes)
     assert index.stats.evicted_boundaries > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "add", "add", "remove", "sync"]),
+            st.integers(0, 12),  # a last use (ties are common), or a cutoff
+            st.booleans(),  # reused
+            st.integers(1, 4),  # own bytes
+            st.integers(0, 5),  # a rank (distinct: floats computed from uses rarely tie)
+        ),
+        max_size=60,
+    ),
+    room=st.integers(0, 12),
+)
+def test_boundary_order_equals_the_reference_order(ops, room):
+    """One `BoundaryOrder` (core/boundary_order.py) under adds, removals and a cutoff
+    moving both ways: its order, looping or not, is the reference's (the reference given
+    the ranks), and each boundary is filed dead exactly when last used before the cutoff."""
+    order = BoundaryOrder(0, room)
+    held: list[Boundary] = []
+    seq = 0
+    for op, value, reused, own, rank in ops:
+        if op == "add":
+            seq += 1
+            b = Boundary(1, (bytes([seq]),), NO_NEEDS, own, value, seq, reused=reused)
+            b.by_used, b.by_recent = by_used(value, seq), by_recent(value, seq)
+            b.rank = rank + seq / 1000
+            b.by_rank = (b.rank, seq)
+            order.add(b)
+            held.append(b)
+        elif op == "remove" and held:
+            order.remove(held.pop(value % len(held)))
+        elif op == "sync":
+            order.sync(value - 0.5)
+        for b in held:
+            assert (b.place - order.base in (DEAD, PROTECTED_DEAD)) == (b.used < order.cutoff)
+        ref = [
+            reference_eviction.Boundary(1, b.states, (), b.own_bytes, b.used, reused=b.reused)
+            for b in held
+        ]
+        now = 100
+        for looping in (False, True):
+            live_for = now - order.cutoff if looping else None
+            with ranked_reference()[0]:
+                for r, b in zip(ref, held, strict=True):
+                    r.rank = b.rank  # type: ignore[attr-defined]
+                want = reference_eviction.eviction_order(ref, 0.0, room, now, live_for)
+            assert [b.states for b in order.order(looping)] == [r.states for r in want]

@@ -1,5 +1,6 @@
-"""The index's split dict (core/keymap.py) and its lapsing answers (core/lapsing.py):
-each behaves as the plain structure it stands for, under any sequence of operations."""
+"""The index's split dict (core/keymap.py), its per-key table of sizes and needers
+(core/entry_table.py) and its lapsing answers (core/lapsing.py): each behaves as the
+plain structures it stands for, under any sequence of operations."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridkv.core.entry_table import EntryTable
 from hybridkv.core.keymap import PARTS, KeyMap
 from hybridkv.core.lapsing import Lapsing
 
@@ -46,6 +48,64 @@ def test_keymap_is_a_dict(ops, asked):
     assert m.missing(asked) == [k for k in asked if k not in d]
     for key in asked:
         assert (key in m) == (key in d) and m.get(key) == d.get(key)
+
+
+TABLE_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "remove", "need", "unneed", "clear_sizes", "clear_needers"]),
+        KEYS,
+        st.integers(1, 40),  # more distinct sizes than the first class bits hold
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=TABLE_OPS, asked=st.lists(KEYS, max_size=10))
+def test_entry_table_is_two_dicts(ops, asked):
+    """The packed table answers as a dict of sizes and a dict of needer counts would,
+    widening its size classes as distinct sizes come, and keeps no key neither counts."""
+    t = EntryTable()
+    sizes: dict[bytes, int] = {}
+    needers: dict[bytes, int] = {}
+    for op, key, value in ops:
+        if op == "insert":
+            assert t.insert(key, value * 1000) == (key not in sizes)
+            sizes.setdefault(key, value * 1000)
+        elif op == "remove":
+            assert t.remove(key) == sizes.pop(key, None)
+        elif op == "need":
+            assert t.need(key) == needers.get(key, 0)
+            needers[key] = needers.get(key, 0) + 1
+        elif op == "unneed" and key in needers:
+            needers[key] -= 1
+            assert t.unneed(key) == needers[key]
+            if not needers[key]:
+                del needers[key]
+        elif op == "clear_sizes":
+            t.clear_sizes()
+            sizes.clear()
+        elif op == "clear_needers":
+            t.clear_needers()
+            needers.clear()
+        assert dict(t.sizes) == sizes and dict(t.needers) == needers
+        assert len(t.sizes) == len(sizes) and len(t.needers) == len(needers)
+        assert sum(map(len, t.parts)) + len(t.away) == len(sizes.keys() | needers.keys())
+    assert t.sizes.missing(asked) == [k for k in asked if k not in sizes]
+    for key in asked:
+        assert t.sizes.get(key) == sizes.get(key) and t.needers.get(key) == needers.get(key, 0)
+
+
+def test_entry_table_values_are_small_ints():
+    """With a layout's few sizes and a few needers, a key's packed value is one of the
+    small ints CPython caches: no int object per entry."""
+    t = EntryTable()
+    for i in range(1000):
+        key = i.to_bytes(4, "big")
+        t.insert(key, (1024, 512, 512, 512)[i % 4])
+        for _ in range(i % 3):
+            t.need(key)
+    assert all(v is int(str(v)) for part in t.parts for v in part.values())
 
 
 def test_keymap_parts_fill_evenly_with_digest_keys():

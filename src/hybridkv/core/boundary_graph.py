@@ -16,8 +16,8 @@ needs are a chain of `Segment`s, each the keys one boundary added beyond the seg
 extends, packed into one bytes object, so the boundaries of a chain share its keys
 instead of each holding a tuple of all of them. A segment counts what refers to it
 (`refs`: boundaries that end on it, segments that extend it) and lives while that is
-above 0; per attention entry one small int counts the live segments that hold it (in a
-`KeyMap`, keyed by the same key object the byte ledger holds). So a boundary admitted or
+above 0; per attention entry a count of the live segments that hold it shares the byte
+ledger's slot for the key (core/entry_table.py). So a boundary admitted or
 forgotten below another of its chain touches only the keys of its own segment, not its
 whole chain's (a 24k-token prompt's boundary needs 96 chunks; its own segment, the few
 chunks of its turn), and an eviction choice counts what it frees the same way (`dies`).
@@ -25,7 +25,7 @@ chunks of its turn), and an eviction choice counts what it frees the same way (`
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,6 +34,20 @@ from hybridkv.core.keys import KEY_BYTES
 from hybridkv.core.ledger import Ledger
 
 KEY_WIDTH = KEY_BYTES + 2  # a group key (core/keys.py)
+# A boundary's sort keys by last use pack (use, admission order) into one int, not a
+# tuple: one object per key instead of three (a tuple and a negated int), at a hundred
+# thousand boundaries. Admission order stays below 2**SEQ_BITS for any real uptime.
+SEQ_BITS = 48
+
+
+def by_used(used: int, seq: int) -> int:
+    """Sorts by last use, oldest first, then admission order."""
+    return used << SEQ_BITS | seq
+
+
+def by_recent(used: int, seq: int) -> int:
+    """Sorts by last use, newest first, then admission order."""
+    return seq - (used << SEQ_BITS)
 
 
 @dataclass(eq=False, slots=True)
@@ -106,7 +120,9 @@ class Boundary:
     used: int  # logical time of its last use
     seq: int  # admission order (earlier first among equals)
     parent: Boundary | None = None  # the chain's previous boundary in CPU memory
-    children: set[Boundary] | None = None
+    # Its children: the one itself, or two or more in a set (most parents have one, and
+    # a set costs 216 bytes).
+    _kids: Boundary | set[Boundary] | None = None
     reused: bool = False  # used again since its admission (a hit, or vLLM's own)
     held: int = 0  # its states that are pinned or promoting: it cannot go while > 0
     # Where the eviction policy filed it (core/eviction.py): its rank, the efficiency it
@@ -114,8 +130,8 @@ class Boundary:
     rank: float = 0.0
     efficiency_ranked: float = 0.0
     place: int = 0
-    by_used: tuple[int, int] = (0, 0)
-    by_recent: tuple[int, int] = (0, 0)
+    by_used: int = 0  # by_used(used, seq) when ranked (0: not yet)
+    by_recent: int = 0  # by_recent(used, seq)
     by_rank: tuple[float, int] = (0.0, 0)
 
     @property
@@ -124,7 +140,31 @@ class Boundary:
 
     @property
     def kids(self) -> int:
-        return len(self.children) if self.children else 0
+        kids = self._kids
+        return 0 if kids is None else len(kids) if type(kids) is set else 1
+
+    @property
+    def children(self) -> Collection[Boundary]:
+        kids = self._kids
+        return () if kids is None else kids if type(kids) is set else (kids,)
+
+    def add_child(self, child: Boundary) -> None:
+        kids = self._kids
+        if kids is None:
+            self._kids = child
+        elif type(kids) is set:
+            kids.add(child)
+        elif kids is not child:
+            self._kids = {kids, child}
+
+    def drop_child(self, child: Boundary) -> None:
+        kids = self._kids
+        if kids is child:
+            self._kids = None
+        elif type(kids) is set:
+            kids.discard(child)
+            if len(kids) == 1:
+                self._kids = next(iter(kids))
 
     @property
     def efficiency(self) -> float:
@@ -154,10 +194,10 @@ class BoundaryGraph:
         self.watcher = watcher
         self.tick = 0  # logical clock of uses
         self.state_of: KeyMap[Boundary] = KeyMap()
-        # Attention entry -> live segments that hold it (it is needed while > 0). Every
-        # entry admitted on its own is listed (0 while none needs it), so this table and
-        # the ledger's share its key.
-        self.needers: KeyMap[int] = KeyMap()
+        # Attention entry -> live segments that hold it (needed while listed): the ledger's
+        # table, whose slot for a key holds both.
+        self.table = ledger.table
+        self.needers = ledger.table.needers
         # Boundaries without a parent, by their chain's first key (a junction adopts from
         # these; with a parent, from its children).
         self._roots: dict[bytes, set[Boundary]] = {}
@@ -173,7 +213,6 @@ class BoundaryGraph:
     # ---- entries --------------------------------------------------------------------------
     def entered(self, key: bytes) -> None:
         """An entry admitted on its own (an attention chunk, a promoted entry)."""
-        self.needers.setdefault(key, 0)
         if self.is_orphan(key):
             self.watcher.orphaned(key, True)
 
@@ -183,8 +222,6 @@ class BoundaryGraph:
         b = self.state_of.get(key)
         if b is not None:
             self.forget(b)
-        if self.needers.get(key) == 0:
-            del self.needers[key]
         self.watcher.orphaned(key, False)
 
     # ---- uses -----------------------------------------------------------------------------
@@ -241,9 +278,7 @@ class BoundaryGraph:
         changed = [b]
         if parent is not None:
             self.watcher.unfile(parent)
-            if parent.children is None:
-                parent.children = set()
-            parent.children.add(b)
+            parent.add_child(b)
             changed.append(parent)
         else:
             self._root(b, True)
@@ -255,15 +290,13 @@ class BoundaryGraph:
     def _refer(self, seg: Segment) -> None:
         """One more reference to `seg`; a segment that comes alive refers to the one it
         extends, and its keys count it."""
-        needers, sizes, state_of = self.needers, self.ledger.sizes, self.state_of
+        need, sizes, state_of = self.table.need, self.ledger.sizes, self.state_of
         while seg is not NO_NEEDS:
             seg.refs += 1
             if seg.refs > 1:
                 return
             for key in seg.own():
-                n = needers.get(key, 0)
-                needers[key] = n + 1
-                if n == 0 and key in sizes and key not in state_of:
+                if need(key) == 0 and key in sizes and key not in state_of:
                     self.watcher.orphaned(key, False)
             if seg.up is None:
                 return
@@ -300,14 +333,15 @@ class BoundaryGraph:
         for o in adopted:
             self.watcher.unfile(o)
             if o.parent is not None:
-                o.parent.children.discard(o)  # b's parent, unfiled already
+                o.parent.drop_child(o)  # b's parent, unfiled already
             else:
                 self._root(o, False)
             o.parent = b
             o.own_bytes = sum(sizes[k] for k in o.states) + sum(
                 sizes.get(k, 0) for k in o.needs if k not in shared
             )
-        b.children = set(adopted)  # b is new: it had none
+        for o in adopted:  # b is new: it had none
+            b.add_child(o)
         return adopted
 
     def forget(self, b: Boundary) -> None:
@@ -324,32 +358,25 @@ class BoundaryGraph:
         parent = b.parent
         if parent is not None:
             self.watcher.unfile(parent)
-            parent.children.discard(b)
+            parent.drop_child(b)
         else:
             self._root(b, False)
-        for child in b.children or ():
+        for child in b.children:
             child.parent = parent
             if parent is not None:
-                parent.children.add(child)
+                parent.add_child(child)
             else:
                 self._root(child, True)
         if parent is not None:
-            if not parent.children:
-                parent.children = None
             self._refile([parent], [])
-        needers, sizes = self.needers, self.ledger.sizes
+        unneed, sizes = self.table.unneed, self.ledger.sizes
         left: dict[Segment, int] = {}
         dead = list(b.needs.dies(left))
         for seg, n in left.items():
             seg.refs = n
         for seg in reversed(dead):  # the chain's first first, as orphans are ordered
             for key in seg.own():
-                n = needers[key] - 1
-                if n or key in sizes:
-                    needers[key] = n
-                else:
-                    del needers[key]
-                if n == 0 and key in sizes and key not in self.state_of:
+                if unneed(key) == 0 and key in sizes and key not in self.state_of:
                     self.watcher.orphaned(key, True)
 
     def _refile(self, changed: Sequence[Boundary], scored: Sequence[Boundary]) -> None:
@@ -379,6 +406,6 @@ class BoundaryGraph:
 
     def clear(self) -> None:
         self.state_of.clear()
-        self.needers.clear()
+        self.table.clear_needers()
         self._roots.clear()
         self.count = 0

@@ -29,7 +29,7 @@ from operator import attrgetter
 
 from sortedcontainers import SortedKeyList
 
-from hybridkv.core.boundary_graph import Boundary
+from hybridkv.core.boundary_graph import Boundary, by_recent, by_used
 
 _RANK = attrgetter("by_rank")
 # Offsets of a boundary's place within an order (its `place` is the order's base plus one).
@@ -97,10 +97,15 @@ class BoundaryOrder:
         moves = {LIVE: DEAD, PROTECTED_LIVE: PROTECTED_DEAD}
         if not died:
             moves = {v: k for k, v in moves.items()}
-        first = None if lo == -math.inf else lo
+        # Every boundary last used in [lo, hi) and, in `_recent`, a few at hi: filtered
+        # below. Uses are whole ticks.
+        first = None if lo == -math.inf else math.ceil(lo)
+        top = math.ceil(hi)
         crossing = [
-            *self._rest.irange_key(None if first is None else (first,), (hi,)),
-            *self._recent.irange_key((-hi,), None if first is None else (-first, math.inf)),
+            *self._rest.irange_key(None if first is None else by_used(first, 0), by_used(top, 0)),
+            *self._recent.irange_key(
+                by_recent(top, 0), None if first is None else by_recent(first - 1, 0)
+            ),
         ]
         for b in crossing:
             off = b.place - self.base

@@ -98,7 +98,7 @@ from typing import Protocol
 
 from sortedcontainers import SortedKeyList, SortedList
 
-from hybridkv.core.boundary_graph import Boundary, BoundaryGraph, Segment
+from hybridkv.core.boundary_graph import Boundary, BoundaryGraph, Segment, by_recent, by_used
 from hybridkv.core.boundary_order import BoundaryOrder
 from hybridkv.core.ghosts import Ghosts
 from hybridkv.core.ledger import Ledger
@@ -313,11 +313,11 @@ class BoundaryPolicy:
         """Rank boundaries admitted, used or changed in cost now (the module docstring):
         the scale is taken once, after all of them moved."""
         for b in boundaries:
-            if b.by_used[1]:  # ranked before
+            if b.by_used:  # ranked before
                 self._by_used.remove(b)
                 self._efficiencies.remove(b.efficiency_ranked)
-            b.by_used = (b.used, b.seq)
-            b.by_recent = (-b.used, b.seq)
+            b.by_used = by_used(b.used, b.seq)
+            b.by_recent = by_recent(b.used, b.seq)
             b.efficiency_ranked = b.efficiency
             self._by_used.add(b)
             self._efficiencies.add(b.efficiency_ranked)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from hybridkv.core.keymap import KeyMap
+from hybridkv.core.entry_table import EntryTable
 
 
 class HoldWatcher(Protocol):
@@ -31,10 +31,9 @@ class Ledger:
     def __init__(self, capacity: int, ranks: int):
         self.capacity = capacity
         self.ranks = ranks
-        # key -> bytes over all ranks. Sizes are few (one per group), so each distinct
-        # one is a single int object shared by every entry of that size.
-        self.sizes: KeyMap[int] = KeyMap()
-        self._interned: dict[int, int] = {}
+        # Shared with the boundary graph (core/entry_table.py): one slot per key.
+        self.table = EntryTable()
+        self.sizes = self.table.sizes  # key -> bytes over all ranks
         self.used = 0
         self.held_bytes = 0  # of the entries in CPU memory that are pinned or promoting
         self._pins: dict[bytes, int] = {}  # key -> pins (a key no longer pinned leaves)
@@ -105,15 +104,15 @@ class Ledger:
 
     # ---- entries --------------------------------------------------------------------------
     def insert(self, key: bytes, nbytes: int) -> None:
-        nbytes = self._interned.setdefault(nbytes, nbytes)
-        self.sizes[key] = nbytes
+        if not self.table.insert(key, nbytes):
+            raise ValueError("the entry is in CPU memory already")
         self.used += nbytes
         if self.held(key):
             self.held_bytes += nbytes
 
     def remove(self, key: bytes) -> None:
         """Forget an entry (in CPU memory or being promoted there), its promotion too."""
-        size = self.sizes.pop(key, None)
+        size = self.table.remove(key)
         if size is not None:
             self.used -= size
             if self.held(key):
@@ -122,7 +121,7 @@ class Ledger:
 
     def clear(self) -> None:
         """Forget every entry; pins stay (their requests release them)."""
-        self.sizes.clear()
+        self.table.clear_sizes()
         self.promoting.clear()
         self.used = self.held_bytes = 0
 
