@@ -54,7 +54,7 @@ TABLE_OPS = st.lists(
     st.tuples(
         st.sampled_from(["insert", "remove", "need", "unneed", "clear_sizes", "clear_needers"]),
         KEYS,
-        st.integers(1, 40),  # more distinct sizes than the first class bits hold
+        st.integers(1, 40),  # more distinct sizes than the size classes hold
     ),
     max_size=80,
 )
@@ -63,11 +63,15 @@ TABLE_OPS = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(ops=TABLE_OPS, asked=st.lists(KEYS, max_size=10))
 def test_entry_table_is_two_dicts(ops, asked):
-    """The packed table answers as a dict of sizes and a dict of needer counts would,
-    widening its size classes as distinct sizes come, and keeps no key neither counts."""
+    """The packed table answers as a dict of sizes and a dict of needer counts would
+    (sizes past the classes included), and holds no key neither counts."""
     t = EntryTable()
     sizes: dict[bytes, int] = {}
     needers: dict[bytes, int] = {}
+
+    def unneeded(key: bytes) -> bool:
+        return key in sizes and key not in needers
+
     for op, key, value in ops:
         if op == "insert":
             assert t.insert(key, value * 1000) == (key not in sizes)
@@ -75,13 +79,14 @@ def test_entry_table_is_two_dicts(ops, asked):
         elif op == "remove":
             assert t.remove(key) == sizes.pop(key, None)
         elif op == "need":
-            assert t.need(key) == needers.get(key, 0)
+            was = unneeded(key)
             needers[key] = needers.get(key, 0) + 1
+            assert t.need(key) == was
         elif op == "unneed" and key in needers:
             needers[key] -= 1
-            assert t.unneed(key) == needers[key]
             if not needers[key]:
                 del needers[key]
+            assert t.unneed(key) == unneeded(key)
         elif op == "clear_sizes":
             t.clear_sizes()
             sizes.clear()
@@ -91,9 +96,11 @@ def test_entry_table_is_two_dicts(ops, asked):
         assert dict(t.sizes) == sizes and dict(t.needers) == needers
         assert len(t.sizes) == len(sizes) and len(t.needers) == len(needers)
         assert sum(map(len, t.parts)) + len(t.away) == len(sizes.keys() | needers.keys())
+        assert len(t.odd) <= len(sizes)
     assert t.sizes.missing(asked) == [k for k in asked if k not in sizes]
     for key in asked:
         assert t.sizes.get(key) == sizes.get(key) and t.needers.get(key) == needers.get(key, 0)
+        assert t.unneeded(key) == unneeded(key)
 
 
 def test_entry_table_values_are_small_ints():

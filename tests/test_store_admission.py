@@ -84,3 +84,47 @@ def test_a_store_evicts_once_and_what_one_entry_at_a_time_would():
         batched.request_finished(req_a)
         single.request_finished(req_b)
     assert evicted > 0
+
+
+def test_a_boundary_with_one_state_left_is_admitted_whole():
+    """A boundary one state of which was lost (its store failed on a worker) leaves the
+    other state in CPU memory as an orphan, which eviction takes first. When a request
+    stores that boundary again into a full tier, the boundary is admitted with both
+    states: the lost one is copied, the one CPU memory holds is kept (pinned while room
+    is made) and not copied again, and the graph records both."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    rng = random.Random(SEED)
+    print(f"seed {SEED}")
+    s = side()
+    index = s.index
+
+    def request(name: str, prompt: list[int]) -> Request:
+        params = SamplingParams(max_tokens=1)
+        return Request(name, prompt, sampling_params=params, pooling_params=None)
+
+    def store(req: Request) -> list[bytes]:
+        keys, planned = copies(s, req)
+        stored = [kc.key for kc in s._admit(s._state(req), keys, planned)]
+        s.request_finished(req)
+        return stored
+
+    for i in range(3):
+        store(request(f"other{i}", [rng.randrange(1, 5000) for _ in range(5 * BLOCK + 1)]))
+    target = [rng.randrange(1, 5000) for _ in range(6 * BLOCK + 1)]
+    assert store(request("first", target))
+    _, planned = copies(s, request("keys", target))
+    lost, kept = (kc.key for kc in planned[-len(STATES) :])
+    index.take_orders()
+    index.lost(index.epoch, lost)
+    assert index.graph.boundary(kept) is None and index.graph.is_orphan(kept)
+    index.take_orders()
+    index.capacity = index.ledger.used  # full: the next store evicts
+
+    assert store(request("restore", target)) == [lost]
+    assert kept not in index.take_orders().evict
+    b = index.graph.boundary(kept)
+    assert b is not None and set(b.states) == {lost, kept}
+    assert index.in_cpu(lost) and index.in_cpu(kept)
+    assert index.stats.cpu_evictions > 0

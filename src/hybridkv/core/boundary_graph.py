@@ -208,7 +208,7 @@ class BoundaryGraph:
         return self.state_of.get(key)
 
     def is_orphan(self, key: bytes) -> bool:
-        return key in self.ledger.sizes and key not in self.state_of and not self.needers.get(key)
+        return self.table.unneeded(key) and key not in self.state_of
 
     # ---- entries --------------------------------------------------------------------------
     def entered(self, key: bytes) -> None:
@@ -290,13 +290,13 @@ class BoundaryGraph:
     def _refer(self, seg: Segment) -> None:
         """One more reference to `seg`; a segment that comes alive refers to the one it
         extends, and its keys count it."""
-        need, sizes, state_of = self.table.need, self.ledger.sizes, self.state_of
+        need, state_of = self.table.need, self.state_of
         while seg is not NO_NEEDS:
             seg.refs += 1
             if seg.refs > 1:
                 return
             for key in seg.own():
-                if need(key) == 0 and key in sizes and key not in state_of:
+                if need(key) and key not in state_of:
                     self.watcher.orphaned(key, False)
             if seg.up is None:
                 return
@@ -369,14 +369,14 @@ class BoundaryGraph:
                 self._root(child, True)
         if parent is not None:
             self._refile([parent], [])
-        unneed, sizes = self.table.unneed, self.ledger.sizes
+        unneed = self.table.unneed
         left: dict[Segment, int] = {}
         dead = list(b.needs.dies(left))
         for seg, n in left.items():
             seg.refs = n
         for seg in reversed(dead):  # the chain's first first, as orphans are ordered
             for key in seg.own():
-                if unneed(key) == 0 and key in sizes and key not in self.state_of:
+                if unneed(key) and key not in self.state_of:
                     self.watcher.orphaned(key, True)
 
     def _refile(self, changed: Sequence[Boundary], scored: Sequence[Boundary]) -> None:

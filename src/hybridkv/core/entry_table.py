@@ -5,22 +5,24 @@ memory (the byte ledger's, core/ledger.py) and how many live boundary segments n
 Why one table: the two were separate maps over the same keys, and a dict slot costs
 about 40 bytes per key (hash, key and value pointers, the index, the free share of the
 table), on top of the key itself. At a production tier's million entries that second
-slot per attention entry was a fifth of all the memory the index held (issue 27: "resident
-memory per entry, goal 200 bytes"). Here each key has one slot, split 64 ways as in
-core/keymap.py, whose value packs both counts into one small int:
+slot per attention entry was a sixth of all the memory the index held (issue 27:
+"resident memory per entry, goal 200 bytes"). Here each key has one slot, split 64 ways
+as in core/keymap.py, whose value packs both counts into one small int:
 
-    value = needers << shift | size class
+    value = needers << SHIFT | size class
 
 The size class indexes the distinct entry sizes seen (a layout has one per group, so a
 handful), so the value stays below 257 for a key needed by up to 15 segments, and
-CPython's cached small ints mean no int object per entry. A layout with more distinct
-sizes than the class bits hold widens them once, re-encoding every value. The table
-holds exactly the keys in CPU memory, so "is it there", asked hundreds of times per
-lookup, is a plain dict membership test; the few keys needed but not in CPU memory (a
-needed chunk lost or deleted) keep their count in a small side dict, `away`.
+CPython's cached small ints mean no int object per entry. Sizes beyond the first 14
+distinct ones share class ODD and are kept per key in a side dict. The table holds
+exactly the keys in CPU memory, so "is it there", asked hundreds of times per lookup, is
+a plain dict membership test; the few keys needed but not in CPU memory (a needed chunk
+lost or deleted) keep their count in another side dict, `away`.
 
 `sizes` and `needers` are the two views, each a read-only mapping of the keys where its
-count is not 0, so the ledger and the graph read them as they read their own maps.
+count is not 0, so the ledger and the graph read them as they read their own maps; the
+graph's writes (`need`, `unneed`) answer the question it asks next, whether the key is
+in CPU memory with no segment needing it.
 """
 
 from __future__ import annotations
@@ -29,15 +31,19 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from hybridkv.core.keymap import PARTS
 
+SHIFT = 4
+MASK = (1 << SHIFT) - 1
+ONE = 1 << SHIFT  # one needer
+ODD = MASK  # the class of sizes past the first MASK - 1 distinct ones
+
 
 class EntryTable:
-    __slots__ = ("parts", "away", "shift", "mask", "classes", "_class_of", "sizes", "needers")
+    __slots__ = ("parts", "away", "odd", "classes", "_class_of", "sizes", "needers")
 
     def __init__(self) -> None:
         self.parts: list[dict[bytes, int]] = [{} for _ in range(PARTS)]
         self.away: dict[bytes, int] = {}  # needed, not in CPU memory: key -> needers
-        self.shift = 4
-        self.mask = (1 << self.shift) - 1
+        self.odd: dict[bytes, int] = {}  # key -> bytes, of class ODD
         self.classes: list[int] = [0]  # size class -> bytes (class 0 unused)
         self._class_of: dict[int, int] = {}
         self.sizes = Sizes(self)
@@ -50,7 +56,9 @@ class EntryTable:
         if key in part:
             return False
         cls = self._class_of.get(nbytes) or self._new_class(nbytes)
-        part[key] = self.away.pop(key, 0) << self.shift | cls
+        if cls == ODD:
+            self.odd[key] = nbytes
+        part[key] = self.away.pop(key, 0) << SHIFT | cls
         return True
 
     def remove(self, key: bytes) -> int | None:
@@ -58,66 +66,66 @@ class EntryTable:
         value = self.parts[key[0] & PARTS - 1].pop(key, None)
         if value is None:
             return None
-        if value >> self.shift:
-            self.away[key] = value >> self.shift
-        return self.classes[value & self.mask]
+        if value >= ONE:
+            self.away[key] = value >> SHIFT
+        cls = value & MASK
+        return self.odd.pop(key) if cls == ODD else self.classes[cls]
+
+    def size(self, key: bytes, value: int) -> int:
+        cls = value & MASK
+        return self.odd[key] if cls == ODD else self.classes[cls]
 
     def clear_sizes(self) -> None:
         """Take every key out of CPU memory (what is needed stays needed)."""
-        shift = self.shift
         for part in self.parts:
-            self.away.update((key, value >> shift) for key, value in part.items() if value >> shift)
+            self.away.update((key, value >> SHIFT) for key, value in part.items() if value >= ONE)
             part.clear()
+        self.odd.clear()
 
     def _new_class(self, nbytes: int) -> int:
-        if len(self.classes) > self.mask:
-            self._widen()
+        if len(self.classes) == ODD:
+            return ODD
         self.classes.append(nbytes)
         self._class_of[nbytes] = len(self.classes) - 1
         return len(self.classes) - 1
 
-    def _widen(self) -> None:
-        """One more bit for size classes: every value re-encoded (once per doubling of
-        the distinct sizes, which a layout has a handful of)."""
-        old_shift, old_mask = self.shift, self.mask
-        self.shift += 1
-        self.mask = (1 << self.shift) - 1
-        for part in self.parts:
-            for key, value in part.items():
-                part[key] = (value >> old_shift) << self.shift | value & old_mask
-
     # ---- the graph's side -----------------------------------------------------------------
-    def need(self, key: bytes) -> int:
-        """One more live segment needs `key`; how many did before."""
+    def need(self, key: bytes) -> bool:
+        """One more live segment needs `key`; whether it is in CPU memory and none did."""
         part = self.parts[key[0] & PARTS - 1]
         value = part.get(key)
         if value is not None:
-            part[key] = value + (1 << self.shift)
-            return value >> self.shift
-        n = self.away.get(key, 0)
-        self.away[key] = n + 1
-        return n
+            part[key] = value + ONE
+            return value < ONE
+        self.away[key] = self.away.get(key, 0) + 1
+        return False
 
-    def unneed(self, key: bytes) -> int:
-        """One live segment fewer needs `key` (one did); how many still do."""
+    def unneed(self, key: bytes) -> bool:
+        """One live segment fewer needs `key` (one did); whether it is in CPU memory and
+        none does now."""
         part = self.parts[key[0] & PARTS - 1]
         value = part.get(key)
         if value is not None:
-            part[key] = value = value - (1 << self.shift)
-            return value >> self.shift
+            part[key] = value = value - ONE
+            return value < ONE
         n = self.away[key] - 1
         if n:
             self.away[key] = n
         else:
             del self.away[key]
-        return n
+        return False
+
+    def unneeded(self, key: bytes) -> bool:
+        """In CPU memory, and no live segment needs it."""
+        value = self.parts[key[0] & PARTS - 1].get(key)
+        return value is not None and value < ONE
 
     def clear_needers(self) -> None:
         """No segment needs anything any more (what is in CPU memory stays)."""
-        mask = self.mask
         for part in self.parts:
             for key, value in part.items():
-                part[key] = value & mask
+                if value >= ONE:
+                    part[key] = value & MASK
         self.away.clear()
 
 
@@ -134,12 +142,11 @@ class Sizes(Mapping[bytes, int]):
         return key in self._parts[key[0] & PARTS - 1]  # type: ignore[index]
 
     def __getitem__(self, key: bytes) -> int:
-        t = self._t
-        return t.classes[self._parts[key[0] & PARTS - 1][key] & t.mask]
+        return self._t.size(key, self._parts[key[0] & PARTS - 1][key])
 
     def get(self, key: bytes, default=None):
         value = self._parts[key[0] & PARTS - 1].get(key)
-        return default if value is None else self._t.classes[value & self._t.mask]
+        return default if value is None else self._t.size(key, value)
 
     def __len__(self) -> int:
         return sum(map(len, self._parts))
@@ -174,14 +181,13 @@ class Needers(Mapping[bytes, int]):
 
     def get(self, key: bytes, default=0):
         value = self._parts[key[0] & PARTS - 1].get(key)
-        n = self._t.away.get(key, 0) if value is None else value >> self._t.shift
+        n = self._t.away.get(key, 0) if value is None else value >> SHIFT
         return n or default
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
     def __iter__(self) -> Iterator[bytes]:
-        shift = self._t.shift
         for part in self._parts:
-            yield from [key for key, value in part.items() if value >> shift]
+            yield from [key for key, value in part.items() if value >= ONE]
         yield from list(self._t.away)

@@ -709,27 +709,51 @@ class SchedulerSide:
         core/index.py), and the attention chunks the request stores stay pinned until
         it finishes. Room for all of them is made at once: one eviction choice instead of
         one per entry (a turn stores a dozen chunks, and each choice costs the scheduler
-        thread tens of microseconds whatever it frees)."""
+        thread tens of microseconds whatever it frees).
+
+        A boundary with any state new is admitted whole: its states only a lower tier
+        holds are copied to CPU memory too, and those CPU memory holds (left by a
+        boundary whose other states were lost) stay pinned while room is made, so the
+        boundary enters with every state or not at all."""
+        index = self.index
+        copies = list(copies)
         out: list[KeyedCopy] = []
+        fresh = {kc.key for kc in copies if not index.known(kc.key)}
         boundaries: dict[int, list[KeyedCopy]] = {}
-        fresh = [kc for kc in copies if not self.index.known(kc.key)]
-        entry_bytes = {kc.key: self.planner.entry_bytes(kc.copy.group) for kc in fresh}
-        self.index.make_room(sum(entry_bytes.values()))
-        for kc in fresh:
-            if self.index.recurrent and kc.copy.group in self._state_groups:
-                boundaries.setdefault(kc.copy.chunk, []).append(kc)
-            elif self.index.admit(kc.key, entry_bytes[kc.key]):
+        if index.recurrent:
+            for kc in copies:
+                if kc.copy.group in self._state_groups:
+                    boundaries.setdefault(kc.copy.chunk, []).append(kc)
+            boundaries = {
+                c: states
+                for c, states in boundaries.items()
+                if any(kc.key in fresh for kc in states)
+            }
+        whole = {kc.key for states in boundaries.values() for kc in states}
+        in_cpu = {key for key in whole if index.known_in(key, None)}
+        copied = fresh | (whole - in_cpu)
+        to_cpu = [kc for kc in copies if kc.key in copied]
+        entry_bytes = {kc.key: self.planner.entry_bytes(kc.copy.group) for kc in to_cpu}
+        index.pin(in_cpu)
+        try:
+            index.make_room(sum(entry_bytes.values()))
+        finally:
+            index.unpin(in_cpu)
+        for kc in to_cpu:
+            if index.recurrent and kc.copy.group in self._state_groups:
+                continue  # with its boundary, below
+            if index.admit(kc.key, entry_bytes[kc.key]):
                 out.append(kc)
-                if self.index.recurrent:
-                    self.index.pin([kc.key])
+                if index.recurrent:
+                    index.pin([kc.key])
                     st.owned.append(kc.key)
             elif spill and self.below:
                 out.append(KeyedCopy(kc.key, kc.copy, cpu=False))
         for chunk, states in boundaries.items():
             if self._admit_boundary(keys, (chunk + 1) * self.planner.chunk_tokens, states):
-                out += states
+                out += [kc for kc in states if kc.key not in in_cpu]
             elif spill and self.below:
-                out += [KeyedCopy(kc.key, kc.copy, cpu=False) for kc in states]
+                out += [KeyedCopy(kc.key, kc.copy, cpu=False) for kc in states if kc.key in fresh]
         return out
 
     def _admit_boundary(self, keys: list[bytes], boundary: int, states: list[KeyedCopy]) -> bool:
