@@ -129,14 +129,20 @@ class EntryTable:
         self.away.clear()
 
 
-class Sizes(Mapping[bytes, int]):
-    """Bytes of each entry in CPU memory (over all ranks)."""
+class _View(Mapping[bytes, int]):
+    """One of the table's two read-only views."""
 
     __slots__ = ("_t", "_parts")
 
     def __init__(self, table: EntryTable):
         self._t = table
         self._parts = table.parts
+
+
+class Sizes(_View):
+    """Bytes of each entry in CPU memory (over all ranks)."""
+
+    __slots__ = ()
 
     def __contains__(self, key: object) -> bool:
         return key in self._parts[key[0] & PARTS - 1]  # type: ignore[index]
@@ -161,14 +167,10 @@ class Sizes(Mapping[bytes, int]):
         return [key for key in keys if key not in parts[key[0] & PARTS - 1]]
 
 
-class Needers(Mapping[bytes, int]):
+class Needers(_View):
     """How many live boundary segments need each entry (keys needed by none: absent)."""
 
-    __slots__ = ("_t", "_parts")
-
-    def __init__(self, table: EntryTable):
-        self._t = table
-        self._parts = table.parts
+    __slots__ = ()
 
     def __contains__(self, key: object) -> bool:
         return self.get(key) > 0  # type: ignore[arg-type]
