@@ -105,7 +105,7 @@ class Ledger:
     # ---- entries --------------------------------------------------------------------------
     def insert(self, key: bytes, nbytes: int) -> None:
         if not self.table.insert(key, nbytes):
-            raise ValueError("the entry is in CPU memory already")
+            return  # counted already (callers admit only what is not): never twice
         self.used += nbytes
         if self.held(key):
             self.held_bytes += nbytes
