@@ -117,6 +117,7 @@ def test_changing_a_token_changes_exactly_the_keys_from_its_chunk_on(seed, token
 @example(seed=bytes(KEY_BYTES), tokens=list(range(10)), chunk=2, cuts=[3, 7, 5])
 def test_extend_chain_incrementally_equals_all_at_once(seed, tokens, chunk, cuts):
     chain: list[bytes] = []
+    limited: list[bytes] = []  # the same prefixes by `limit`, the tokens not sliced
     for cut in [*cuts, len(tokens)]:  # growing, shrinking and repeated prefixes
         prefix = tokens[:cut]
         before = list(chain)
@@ -124,6 +125,7 @@ def test_extend_chain_incrementally_equals_all_at_once(seed, tokens, chunk, cuts
         assert returned is chain  # extended in place
         assert chain[: len(before)] == before  # never rewrites existing keys
         assert chain == chunk_keys(seed, tokens, chunk)[: max(len(before), cut // chunk)]
+        assert extend_chain(limited, seed, tokens, chunk, limit=cut) == chain
     assert chain == chunk_keys(seed, tokens, chunk)
 
 

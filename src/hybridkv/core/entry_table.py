@@ -166,6 +166,16 @@ class Sizes(_View):
         parts = self._parts
         return [key for key in keys if key not in parts[key[0] & PARTS - 1]]
 
+    def present(self, keys: Iterable[bytes]) -> list[bytes]:
+        """The keys in CPU memory, in their order (`missing`'s complement)."""
+        parts = self._parts
+        return [key for key in keys if key in parts[key[0] & PARTS - 1]]
+
+    def total(self, keys: Iterable[bytes]) -> int:
+        """The bytes of `keys`, all in CPU memory: one call for a hit's hundreds."""
+        parts, size = self._parts, self._t.size
+        return sum(size(key, parts[key[0] & PARTS - 1][key]) for key in keys)
+
 
 class Needers(_View):
     """How many live boundary segments need each entry (keys needed by none: absent)."""

@@ -174,8 +174,7 @@ class LruPolicy:
         self._order.discard(key)
 
     def hold(self, keys: list[bytes], held: bool) -> None:
-        for key in keys:
-            self._order.hold(key, held)
+        self._order.hold(keys, held)
 
     def victims(self, needed: int) -> Choice | None:
         if needed > self.ledger.evictable_bytes():
@@ -262,15 +261,15 @@ class BoundaryPolicy:
 
     def hold(self, keys: list[bytes], held: bool) -> None:
         self._version += 1
-        state_of, orphans = self.graph.state_of, self._orphans
-        for key in keys:
-            b = state_of.get(key)
+        chunks = []  # not states: orphans, or chunks a boundary needs (nothing to do)
+        for key, b in zip(keys, self.graph.state_of.get_many(keys, None), strict=True):
             if b is None:
-                orphans.hold(key, held)
+                chunks.append(key)
                 continue
             self.unfile(b)
             b.held += 1 if held else -1
             self.file(b)
+        self._orphans.hold(chunks, held)
 
     def resize(self) -> None:
         room = PROTECTED * self.ledger.capacity

@@ -188,6 +188,14 @@ class StoreIndex:
             or any(self.lower.on_tier(key, tier) for tier in self.lower.tiers)
         )
 
+    def unknown(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Of `keys`, those not `known`: one call for a store's dozens."""
+        lower = self.lower
+        keys = [key for key in self.ledger.sizes.missing(keys) if not lower.on_disk(key)]
+        for tier in lower.tiers:
+            keys = lower.not_hinted(tier, keys)
+        return keys
+
     def known_in(self, key: bytes, tier: str | None) -> bool:
         """In CPU memory (or on its way there), or in `tier`."""
         if key in self.ledger.sizes:

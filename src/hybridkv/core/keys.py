@@ -64,13 +64,15 @@ def extend_chain(
     tokens: Sequence[int],
     chunk_tokens: int,
     chunk_extras: ChunkExtras | None = None,
+    limit: int | None = None,
 ) -> list[bytes]:
-    """Append keys for every full chunk of `tokens` not yet in `chain` (in place).
+    """Append keys for every full chunk of `tokens` (of its first `limit` tokens: a
+    request's token list is not copied to key its prompt) not yet in `chain` (in place).
 
     With `chunk_extras`, a chunk with a non-empty extra is keyed blake3(_mix(key i-1,
     extra) || tokens); every other chunk exactly as without extras.
     """
-    n_full = len(tokens) // chunk_tokens
+    n_full = (len(tokens) if limit is None else min(limit, len(tokens))) // chunk_tokens
     if len(chain) >= n_full:
         return chain
     start = len(chain)

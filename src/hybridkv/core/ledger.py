@@ -53,34 +53,31 @@ class Ledger:
 
     # ---- pins -----------------------------------------------------------------------------
     def pin(self, keys: Iterable[bytes]) -> None:
-        pins, sizes, promoting = self._pins, self.sizes, self.promoting
-        held = []
+        pins = self._pins
+        first = []  # pinned now and not before
         for key in keys:
             n = pins.get(key, 0)
             pins[key] = n + 1
             self.pinned += 1
-            if not n and key in sizes and key not in promoting:
-                held.append(key)
-        if held:
-            self._changed(held, True)
+            if not n:
+                first.append(key)
+        self._changed(first, True)
 
     def unpin(self, keys: Iterable[bytes]) -> None:
         """Release one pin of each key (a key not pinned is passed over)."""
-        pins, sizes, promoting = self._pins, self.sizes, self.promoting
-        released = []
+        pins = self._pins
+        last = []  # pinned no more
         for key in keys:
             n = pins.get(key, 0)
             if n > 1:
                 pins[key] = n - 1
             elif n == 1:
                 del pins[key]
-                if key in sizes and key not in promoting:
-                    released.append(key)
+                last.append(key)
             else:
                 continue
             self.pinned -= 1
-        if released:
-            self._changed(released, False)
+        self._changed(last, False)
 
     # ---- promotions -----------------------------------------------------------------------
     def start_promotion(self, key: bytes) -> None:
@@ -126,9 +123,16 @@ class Ledger:
         self.used = self.held_bytes = 0
 
     def _changed(self, keys: list[bytes], held: bool) -> None:
-        """`keys`, in CPU memory, became held (or evictable) all at once."""
-        sizes = self.sizes
-        change = sum(sizes[key] for key in keys)
+        """`keys` were pinned (or released) and no pin is left on them: those in CPU
+        memory and not being promoted became held (or evictable) all at once."""
+        if not keys:
+            return
+        keys = self.sizes.present(keys)
+        if self.promoting:
+            keys = [key for key in keys if key not in self.promoting]
+        if not keys:
+            return
+        change = self.sizes.total(keys)
         self.held_bytes += change if held else -change
         if self.watcher is not None:
             self.watcher.hold(keys, held)

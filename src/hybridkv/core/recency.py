@@ -53,16 +53,20 @@ class RecencyQueue:
         if place is not None:
             self._ready.discard((place, key))
 
-    def hold(self, key: bytes, held: bool) -> None:
-        """The key became held, or evictable again (set aside keys return to their place;
+    def hold(self, keys: list[bytes], held: bool) -> None:
+        """The keys became held, or evictable again (set aside keys return to their place;
         the others are looked at when the front reaches them)."""
-        place = self._held.get(key)
-        if place is None:
+        places = self._held
+        if not places:  # nothing set aside: a hit's hundreds of keys cost one test
             return
-        if held:
-            self._ready.discard((place, key))
-        else:
-            self._ready.add((place, key))
+        for key in keys:
+            place = places.get(key)
+            if place is None:
+                continue
+            if held:
+                self._ready.discard((place, key))
+            else:
+                self._ready.add((place, key))
 
     def candidates(self, held: Callable[[bytes], bool]) -> Iterator[bytes]:
         """The keys that are not `held`, least recently used first. Held ones met at the

@@ -207,8 +207,8 @@ class SchedulerSide:
         C = self.planner.chunk_tokens
         if len(st.keys) >= num_tokens // C:
             return st.keys  # keyed already: slicing a 24k-token prompt again costs 20 us
-        tokens = st.request.all_token_ids[:num_tokens]
-        return extend_chain(st.keys, st.ctx.seed, tokens, C, st.ctx.chunk_extras)
+        tokens = st.request.all_token_ids
+        return extend_chain(st.keys, st.ctx.seed, tokens, C, st.ctx.chunk_extras, num_tokens)
 
     def num_new_matched_tokens(self, request: Request, local_tokens: int) -> int | None:
         """The hit beyond vLLM's own, or None ("ask again") while disk entries it needs
@@ -327,7 +327,13 @@ class SchedulerSide:
         tiers); whether an answer is still out (the lookup then waits for it). The keys
         of every lookup of the step go out together, in one round trip (`build_meta`)."""
         C = self.planner.chunk_tokens
-        chunks = keys[local_tokens // C : self.planner.max_hit_chunks(num_prompt_tokens)]
+        # Only a boundary past the hit CPU memory serves alone can make the tier's hit
+        # worth loading, and every chunk it needs below that hit is in CPU memory (the
+        # window chunks a later boundary needs overlap the ones this hit reads): ask about
+        # the chunks from there on, not the whole prompt's. A conversation's next turn
+        # then asks about its new message, not every state of its history.
+        first = max(local_tokens, self._hit_in(keys, num_prompt_tokens, local_tokens, None))
+        chunks = keys[first // C : self.planner.max_hit_chunks(num_prompt_tokens)]
         unknown = self.index.unknown_in(
             group_keys(chunks, len(self.layout.groups)), self.probe.name
         )
@@ -345,17 +351,30 @@ class SchedulerSide:
         tokens times the tier's load weight; on a tie, the faster tier."""
         best, best_tier, best_score = 0, None, 0.0
         for tier, weight in self.tiers or [(None, 1.0)]:
-
-            def present(g: int, c: int, tier: str | None = tier) -> bool:
-                if c >= len(keys):
-                    return False
-                key = group_key(keys[c], g)
-                return key not in excluded and self.index.known_in(key, tier)
-
-            boundary = self.planner.find_hit(num_prompt_tokens, local_tokens, present)
+            boundary = self._hit_in(keys, num_prompt_tokens, local_tokens, tier, excluded)
             if boundary * weight > best_score:
                 best, best_tier, best_score = boundary, tier, boundary * weight
         return best, best_tier
+
+    def _hit_in(
+        self,
+        keys: list[bytes],
+        num_prompt_tokens: int,
+        local_tokens: int,
+        tier: str | None,
+        excluded: set[bytes] | frozenset[bytes] = frozenset(),
+    ) -> int:
+        """The hit (a boundary in tokens, or 0) CPU memory serves with `tier`'s help
+        (None: alone), leaving out the entries in `excluded`."""
+        index = self.index
+
+        def present(g: int, c: int) -> bool:
+            if c >= len(keys):
+                return False
+            key = group_key(keys[c], g)
+            return key not in excluded and index.known_in(key, tier)
+
+        return self.planner.find_hit(num_prompt_tokens, local_tokens, present)
 
     def _ready_or_coming(self, key: bytes, overdue: bool, tier: str | None) -> bool:
         """In CPU memory, or promoted there from `tier` (started now if need be) while
@@ -718,7 +737,7 @@ class SchedulerSide:
         index = self.index
         copies = list(copies)
         out: list[KeyedCopy] = []
-        fresh = {kc.key for kc in copies if not index.known(kc.key)}
+        fresh = set(index.unknown([kc.key for kc in copies]))
         boundaries: dict[int, list[KeyedCopy]] = {}
         if index.recurrent:
             for kc in copies:
@@ -736,25 +755,35 @@ class SchedulerSide:
         entry_bytes = {kc.key: self.planner.entry_bytes(kc.copy.group) for kc in to_cpu}
         index.pin(in_cpu)
         try:
-            index.make_room(sum(entry_bytes.values()))
+            room = index.make_room(sum(entry_bytes.values()))
         finally:
             index.unpin(in_cpu)
+        owned: list[bytes] = []  # admitted, to pin (at once: the admissions evict nothing)
         for kc in to_cpu:
             if index.recurrent and kc.copy.group in self._state_groups:
                 continue  # with its boundary, below
             if index.admit(kc.key, entry_bytes[kc.key]):
                 out.append(kc)
                 if index.recurrent:
-                    index.pin([kc.key])
-                    st.owned.append(kc.key)
+                    owned.append(kc.key)
+                    if not room:  # the next admission may evict: hold this one now
+                        self._own(st, owned)
             elif spill and self.below:
                 out.append(KeyedCopy(kc.key, kc.copy, cpu=False))
+        self._own(st, owned)
         for chunk, states in boundaries.items():
             if self._admit_boundary(keys, (chunk + 1) * self.planner.chunk_tokens, states):
                 out += [kc for kc in states if kc.key not in in_cpu]
             elif spill and self.below:
                 out += [KeyedCopy(kc.key, kc.copy, cpu=False) for kc in states if kc.key in fresh]
         return out
+
+    def _own(self, st: _RequestState, keys: list[bytes]) -> None:
+        """Pin `keys` until the request finishes (emptying the list)."""
+        if keys:
+            self.index.pin(keys)
+            st.owned += keys
+            keys.clear()
 
     def _admit_boundary(self, keys: list[bytes], boundary: int, states: list[KeyedCopy]) -> bool:
         """Count a boundary's states into CPU memory, with what a hit there also reads,
