@@ -27,7 +27,8 @@ takes the index's orders and applies the workers' reports of the promotions, as
 `build_meta` and `update_connector_output` do. The stream fills CPU memory first (not
 timed), then every scheduler-side call of each of `--serve-steps` steps is timed: p50, p99
 and max of a step, with and without the chain keys of new prompts (blake3 over the
-prompt, 0.7 ms for 24k tokens whatever the index holds, timed on their own). Memory: a
+prompt, 0.7 ms for 24k tokens whatever the index holds, timed on their own), and one
+full collection of the garbage collector at the end (`serving`). Memory: a
 second run of the same fill under tracemalloc; what code of hybridkv and of
 sortedcontainers allocated and still holds, per entry in CPU memory. Run it against
 another source with `PYTHONPATH=<its src>` (the "before" of docs/benchmarks.md).
@@ -301,7 +302,14 @@ class Serving:
 
 def serving(entries: int, steps: int, freeze: bool) -> dict[str, float]:
     """Per-step seconds of the stream once CPU memory is full (the module docstring);
-    then a quarter as many steps again with the calls into the index timed."""
+    then a quarter as many steps again with the calls into the index timed; last, one
+    full collection of the garbage collector, timed. vLLM's engine freezes what start-up
+    allocated (`freeze_gc_heap`), so that collection walks the objects allocated since:
+    the index's, which a collection of the oldest generation walks every time the
+    objects surviving younger collections have grown by a quarter (CPython 3.11), on
+    the scheduler's thread, whatever step it falls in."""
+    gc.collect()
+    gc.freeze()  # as vLLM's engine does once started
     stream = Serving(entries)
     index = stream.side.index
     t = time.perf_counter()
@@ -331,6 +339,11 @@ def serving(entries: int, steps: int, freeze: bool) -> dict[str, float]:
         before = stream.index_seconds
         stream.step()
         in_index.append(stream.index_seconds - before)
+    t = time.perf_counter()
+    gc.collect()
+    out["full GC collection ms"] = (time.perf_counter() - t) * 1e3
+    out["objects the collector tracks"] = len(gc.get_objects())
+    gc.unfreeze()
     for name, times in (
         ("step", total),
         ("step without chain keys", without),
