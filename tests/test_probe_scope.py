@@ -2,15 +2,17 @@
 alone (scheduler_side.SchedulerSide._probe). A boundary below that hit can never be the
 one planned, so asking about the states of a conversation's whole history each turn
 would only load the round trip. Model-free: hybridkv's scheduler side on real vLLM
-`Request`s, the real `Probe` over a set standing for Redis; prompt lengths drawn from the
-suite's seed."""
+`Request`s, the real `Probe` asking a real `redis-server` through the Redis tier; prompt
+lengths drawn from the suite's seed."""
 
 from __future__ import annotations
 
 import random
 import time
 
+import torch
 from conftest import SEED
+from redis_servers import redis_server, require_redis
 
 from hybridkv.core.index import StoreIndex, WorkerReport
 from hybridkv.core.keys import group_key, group_keys
@@ -18,6 +20,7 @@ from hybridkv.core.layout import GroupKind, GroupSpec, Layout
 from hybridkv.core.planner import EntryCopy, Planner
 from hybridkv.core.policy import CheckpointPolicy
 from hybridkv.core.probe import Probe
+from hybridkv.core.tiers.redis import RedisTier
 from hybridkv.vllm.metadata import KeyedCopy
 from hybridkv.vllm.scheduler_side import SchedulerSide
 
@@ -50,6 +53,16 @@ def lookup(side: SchedulerSide, probe: Probe, req) -> int:
 
 
 def test_a_next_turn_asks_only_past_its_cpu_hit_and_still_finds_a_longer_boundary():
+    require_redis()
+    with redis_server() as server:
+        tier = RedisTier(server.url, bytes(16), timeout_ms=300, backoff_s=0.05)
+        try:
+            _next_turn(tier)
+        finally:
+            tier.close()
+
+
+def _next_turn(tier: RedisTier) -> None:
     rng = random.Random(SEED)
     print(f"seed {SEED}")
     full = GroupSpec(GroupKind.FULL, BLOCK, ATTN, ("attn",))
@@ -57,12 +70,11 @@ def test_a_next_turn_asks_only_past_its_cpu_hit_and_still_finds_a_longer_boundar
     layout = Layout("test/probe-scope", (full, *states))
     planner = Planner(layout.groups)
     policy = CheckpointPolicy("prompt_and_end", planner.chunk_tokens)
-    shared: set[bytes] = set()  # what the shared tier holds
     asked: list[bytes] = []
 
     def contains_many(keys):
         asked.extend(keys)
-        return [k in shared for k in keys]
+        return tier.contains_many(keys)
 
     probe = Probe("redis", contains_many, ttl_s=60)
     side = SchedulerSide(
@@ -93,8 +105,11 @@ def test_a_next_turn_asks_only_past_its_cpu_hit_and_still_finds_a_longer_boundar
     # Another replica stored the next turn's chunks and checkpoint in the shared tier.
     turn_keys = side._keys(side._state(request("other", turn)), len(turn))
     turn_ckpt = planner.max_hit_chunks(len(turn))
-    shared.update(group_key(k, 0) for k in turn_keys[:turn_ckpt])
-    shared.update(group_key(turn_keys[turn_ckpt - 1], g) for g in STATES)
+    stored = [group_key(k, 0) for k in turn_keys[:turn_ckpt]]
+    stored += [group_key(turn_keys[turn_ckpt - 1], g) for g in STATES]
+    for key in stored:
+        assert tier.put(key, torch.full((ATTN,), 7, dtype=torch.int8))
+    tier.flush()
 
     req = request("later", later)
     assert lookup(side, probe, req) == turn_ckpt * BLOCK  # the shared tier's boundary

@@ -123,8 +123,8 @@ class Ledger:
         self.used = self.held_bytes = 0
 
     def _changed(self, keys: list[bytes], held: bool) -> None:
-        """`keys` were pinned (or released) and no pin is left on them: those in CPU
-        memory and not being promoted became held (or evictable) all at once."""
+        """`keys` gained their first pin (`held`) or lost their last: those in CPU memory
+        and not being promoted became held (or evictable) all at once."""
         if not keys:
             return
         keys = self.sizes.present(keys)
