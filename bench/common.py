@@ -94,7 +94,13 @@ class FakeCopies:
 
     @classmethod
     def make(
-        cls, page: int, layers: int, per: int, entries: int, device: str = "cpu"
+        cls,
+        page: int,
+        layers: int,
+        per: int,
+        entries: int,
+        device: str = "cpu",
+        cuda_programs: int | None = None,
     ) -> FakeCopies:
         blocks = 2 * entries * per + 1
         gen = torch.Generator(device=device).manual_seed(0)
@@ -104,7 +110,8 @@ class FakeCopies:
             )
             for i in range(layers)
         }
-        engine = CopyEngine(build_canonical(caches, [[(n, page) for n in caches]], blocks))
+        kv = build_canonical(caches, [[(n, page) for n in caches]], blocks)
+        engine = CopyEngine(kv, cuda_programs=cuda_programs)
         order = torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(0)) + 1
         ids = order.tolist()
         slots = tuple(range(per))

@@ -31,7 +31,7 @@ from common import (
 )
 
 from hybridkv.core.canonical import row_table
-from hybridkv.core.cuda_rows import copy_rows_cuda
+from hybridkv.core.cuda_rows import PROGRAMS, copy_rows_cuda
 
 
 def main() -> None:
@@ -41,6 +41,12 @@ def main() -> None:
     p.add_argument("--blocks-per-entry", type=int, default=16)
     p.add_argument("--entries", type=int, default=32)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument(
+        "--copy-programs",
+        type=int,
+        default=None,
+        help="programs a copy batch runs on (default: cuda_rows.PROGRAMS; 0: one per piece)",
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "gpu_copy.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -49,7 +55,7 @@ def main() -> None:
 
     dev = torch.device("cuda")
     page, layers, per, n = args.page_bytes, args.layers, args.blocks_per_entry, args.entries
-    fake = FakeCopies.make(page, layers, per, n, device="cuda")
+    fake = FakeCopies.make(page, layers, per, n, device="cuda", cuda_programs=args.copy_programs)
     caches, engine, stores, loads = fake.caches, fake.engine, fake.stores, fake.loads
     entries = engine.gather(stores)
     assert all(e.is_pinned() for e in entries)
@@ -94,10 +100,11 @@ def main() -> None:
     ids = [c.block_ids for c in stores]
     table = row_table(engine.kv, 0, entries, [range(per)] * n, ids, to_engine=False)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    copy_rows_cuda(table, dev)
+    programs = PROGRAMS if args.copy_programs is None else args.copy_programs
+    copy_rows_cuda(table, dev, programs)
     start.record()
     for _ in range(args.repeats):
-        copy_rows_cuda(table, dev)
+        copy_rows_cuda(table, dev, programs)
     end.record()
     end.synchronize()
     kernel_s = start.elapsed_time(end) / 1e3 / args.repeats

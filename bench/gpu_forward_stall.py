@@ -6,13 +6,16 @@ A fake KV cache on the GPU (`common.FakeCopies`); each step, on the compute stre
 "forward" of `--products` bf16 matrix products of `--size`^2, the forward's writes of the
 blocks the step stores, and a small "sampling" kernel; the host then waits for the step
 before's sampling, as vLLM's scheduler waits for its sampled tokens (one step ahead at
-most). Three designs, run in turn in every round (`common.interleaved`):
+most). Four designs, run in turn in every round (`common.interleaved`):
 - `none`: no stores;
 - `hybridkv`: the step's stores (`CopyEngine.gather_async`, on the store stream), which
   the compute stream never waits for;
 - `wait-per-store`: the same stores, and the compute stream waits for each where it is
   queued (`hold_compute` right after it: what every store did before issue 28, so the
-  step's sampling and the next forward came after it).
+  step's sampling and the next forward came after it);
+- `dma`: the same bytes as one contiguous device-to-pinned `copy_` on a side stream the
+  compute stream never waits for: the copy engines' floor, using no SMs, for telling
+  what a copy costs the forward through the SMs it takes from what it costs anyway.
 `--loads` adds a load of the same size every step (on the load stream: no design waits
 for it). Each figure is the median seconds of `--steps` steps.
 
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 from common import RESULTS, FakeCopies, interleaved, write_result
 
-DESIGNS = ("none", "hybridkv", "wait-per-store")
+DESIGNS = ("none", "hybridkv", "wait-per-store", "dma")
 
 
 def main() -> None:
@@ -43,6 +46,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--loads", action="store_true", help="a load of the same size each step")
+    p.add_argument(
+        "--copy-programs",
+        type=int,
+        default=None,
+        help="programs a copy batch runs on (default: cuda_rows.PROGRAMS; 0: one per piece)",
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "gpu_forward_stall.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -50,13 +59,23 @@ def main() -> None:
         sys.exit(0)
 
     fake = FakeCopies.make(
-        args.page_bytes, args.layers, args.blocks_per_entry, args.entries, device="cuda"
+        args.page_bytes,
+        args.layers,
+        args.blocks_per_entry,
+        args.entries,
+        device="cuda",
+        cuda_programs=args.copy_programs,
     )
     engine = fake.engine
     stored_ids = torch.tensor(sorted({b for c in fake.stores for b in c.block_ids}), device="cuda")
     to_load = list(zip(fake.loads, engine.gather(fake.stores), strict=True))
     a = torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(a)
+
+    stored = args.entries * args.blocks_per_entry * args.layers * args.page_bytes
+    dma_src = torch.empty(stored, dtype=torch.uint8, device="cuda")
+    dma_dst = torch.empty(stored, dtype=torch.uint8, pin_memory=True)
+    dma_stream = torch.cuda.Stream()
 
     def steps(design: str) -> None:
         sampled: torch.cuda.Event | None = None
@@ -66,7 +85,11 @@ def main() -> None:
                 torch.mm(a, a, out=out)
             for cache in fake.caches.values():  # the forward writes the blocks it stores
                 cache.index_fill_(0, stored_ids, step % 100)
-            if design != "none":
+            if design == "dma":
+                dma_stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(dma_stream):
+                    dma_dst.copy_(dma_src, non_blocking=True)
+            elif design != "none":
                 landing = [(e, ld) for e, ld in landing if not ld.done()]
                 landing.append(engine.gather_async(fake.stores))
                 if design == "wait-per-store":
@@ -83,7 +106,6 @@ def main() -> None:
 
     t = interleaved({d: (lambda d=d: steps(d)) for d in DESIGNS}, args.repeats)
     per_step = {d: secs / args.steps for d, secs in t.items()}
-    stored = args.entries * args.blocks_per_entry * args.layers * args.page_bytes
     result = {
         "device": torch.cuda.get_device_name(),
         "stored_bytes_per_step": stored,

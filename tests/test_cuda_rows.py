@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import SEED
 
 from hybridkv.core.cuda_rows import word_bytes
 
@@ -39,12 +40,13 @@ for seed in range(int(sys.argv[2])):
     ids = [dst[:n], dst[n:]]
     # load: entries -> blocks; store: blocks -> fresh entries
     copy_rows(row_table(kv_a, g, entries, slots, ids, True))
-    copy_rows_cuda(row_table(kv_b, g, entries, slots, ids, True), cpu)
+    programs = rng.choice([0, 1, 3, 16])  # one per piece, or a few looping over them
+    copy_rows_cuda(row_table(kv_b, g, entries, slots, ids, True), cpu, programs)
     assert torch.equal(a.buf, b.buf), ("load", seed)
     src = rng.sample(range(NB), n)
     outs = [torch.zeros(n * kv_a.block_bytes(g), dtype=torch.int8) for _ in range(2)]
     copy_rows(row_table(kv_a, g, outs[:1], [range(n)], [src], False))
-    copy_rows_cuda(row_table(kv_b, g, outs[1:], [range(n)], [src], False), cpu)
+    copy_rows_cuda(row_table(kv_b, g, outs[1:], [range(n)], [src], False), cpu, programs)
     assert torch.equal(outs[0], outs[1]), ("store", seed)
 print("ok")
 """
@@ -56,6 +58,38 @@ def test_the_triton_row_kernel_moves_what_the_native_copy_moves():
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, tests, "12"],
         env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+LONG_ROWS = r"""
+import random, sys
+import numpy as np, torch
+from hybridkv.core.cuda_rows import _PER_PROGRAM, copy_rows_cuda
+
+rng = random.Random(int(sys.argv[1]))
+# Rows of up to four pieces, the last one partial, in a table of 8-byte words.
+sizes = [8 * rng.randint(1, 4 * _PER_PROGRAM) for _ in range(5)]
+src = [torch.randint(-128, 128, (n,), dtype=torch.int8) for n in sizes]
+for programs in (0, 1, 3):
+    dst = [torch.zeros(n, dtype=torch.int8) for n in sizes]
+    table = np.array([[d.data_ptr(), s.data_ptr(), n] for d, s, n in zip(dst, src, sizes)])
+    copy_rows_cuda(table, torch.device("cpu"), programs)
+    assert all(torch.equal(d, s) for d, s in zip(dst, src)), (programs, sizes)
+print("ok")
+"""
+
+
+def test_rows_of_several_pieces_are_copied_whole_by_any_number_of_programs():
+    seed = SEED
+    print(f"row sizes drawn with seed {seed}")
+    out = subprocess.run(
+        [sys.executable, "-c", LONG_ROWS, str(seed)],
+        env=os.environ | {"TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
         timeout=300,

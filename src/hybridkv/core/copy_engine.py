@@ -64,7 +64,10 @@ LANDED = Landing()
 
 
 class CopyEngine:
-    def __init__(self, kv: CanonicalKV, pool: HostPool | None = None):
+    def __init__(
+        self, kv: CanonicalKV, pool: HostPool | None = None, cuda_programs: int | None = None
+    ):
+        """`cuda_programs`: programs a CUDA batch runs on (`cuda_rows.PROGRAMS` if None)."""
         self.kv = kv
         self.device = kv.tensors[0].device if kv.tensors else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
@@ -75,9 +78,10 @@ class CopyEngine:
         self._loads = torch.cuda.Stream(self.device) if self.cuda else None
         if self.cuda:
             # Triton comes with vLLM's GPU builds; CPU engines never import it.
-            from hybridkv.core.cuda_rows import copy_rows_cuda
+            from hybridkv.core.cuda_rows import PROGRAMS, copy_rows_cuda
 
             self._copy_rows_cuda = copy_rows_cuda
+            self._programs = PROGRAMS if cuda_programs is None else cuda_programs
         # Loads still running on the GPU, with the host entries they read: an entry's
         # slot must not be reused (a disk read writes from the CPU) before the copy ends.
         self._inflight: list[tuple[Landing, list[torch.Tensor]]] = []
@@ -138,7 +142,7 @@ class CopyEngine:
         """Run `table` on `stream` after what the compute stream has queued so far."""
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._copy_rows_cuda(table, self.device)
+            self._copy_rows_cuda(table, self.device, self._programs)
         done = torch.cuda.Event()
         done.record(stream)
         return Landing(done)

@@ -10,8 +10,9 @@ kernels did one launch per layer per entry and a synchronous upload of block ids
 entry; on an H100 they reached 0.5x a pinned copy with 32 MiB entries, 0.2x with 8 MiB
 ones (docs/benchmarks.md, GPU copy).
 
-Each program copies up to `_PER_PROGRAM` words of one row; the word is the widest integer
-that every address and size of the table is a multiple of.
+A row is cut into pieces of up to `_PER_PROGRAM` words; a few programs (`PROGRAMS`) take
+the pieces in turn. The word is the widest integer that every address and size of the
+table is a multiple of.
 """
 
 from __future__ import annotations
@@ -24,20 +25,29 @@ import triton.language as tl
 _BLOCK = 1024  # words a loop iteration moves
 _PER_PROGRAM = 4 * _BLOCK
 _WARPS = 4
+# Programs a batch runs on, each looping over pieces: few enough to leave the forward
+# most SMs, enough to keep the PCIe link full. Measured on an H200 (docs/benchmarks.md,
+# "GPU forward stall"): one program per piece (thousands) filled every SM, so a store
+# slowed the forward running beside it by 6 %, as much as if the forward had waited for
+# it; 16 programs moved as many bytes a second and slowed it by 3 %. 0: one per piece.
+PROGRAMS = 16
 _WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 
 
 @triton.jit
-def _copy_rows(table, WORD: tl.constexpr, BLOCK: tl.constexpr, PER_PROGRAM: tl.constexpr):
-    row = tl.program_id(0)
-    dst = tl.load(table + 3 * row).to(tl.pointer_type(WORD))
-    src = tl.load(table + 3 * row + 1).to(tl.pointer_type(WORD))
-    words = tl.load(table + 3 * row + 2)
-    first = tl.program_id(1).to(tl.int64) * PER_PROGRAM
-    for i in tl.static_range(0, PER_PROGRAM, BLOCK):
-        offs = first + i + tl.arange(0, BLOCK)
-        mask = offs < words
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+def _copy_rows(
+    table, pieces, parts, WORD: tl.constexpr, BLOCK: tl.constexpr, PER_PROGRAM: tl.constexpr
+):
+    for piece in range(tl.program_id(0), pieces, tl.num_programs(0)):
+        row = piece // parts
+        dst = tl.load(table + 3 * row).to(tl.pointer_type(WORD))
+        src = tl.load(table + 3 * row + 1).to(tl.pointer_type(WORD))
+        words = tl.load(table + 3 * row + 2)
+        first = (piece % parts).to(tl.int64) * PER_PROGRAM
+        for i in tl.static_range(0, PER_PROGRAM, BLOCK):
+            offs = first + i + tl.arange(0, BLOCK)
+            mask = offs < words
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 def word_bytes(table: np.ndarray) -> int:
@@ -51,22 +61,31 @@ def word_bytes(table: np.ndarray) -> int:
     return 1
 
 
-def copy_rows_cuda(table: np.ndarray, device: torch.device) -> None:
-    """Run `table` on the current stream of `device`. Addresses may be device memory or
-    pinned host memory; the caller has bounds-checked them (`row_table`) and keeps both
-    ends alive until the stream has run the copy. On a CPU device (Triton's interpreter,
-    which tests run the kernel in) the addresses are host memory."""
+def copy_rows_cuda(table: np.ndarray, device: torch.device, programs: int = PROGRAMS) -> None:
+    """Run `table` on the current stream of `device`, on at most `programs` programs (0:
+    one per piece). Addresses may be device memory or pinned host memory; the caller has
+    bounds-checked them (`row_table`) and keeps both ends alive until the stream has run
+    the copy. On a CPU device (Triton's interpreter, which tests run the kernel in) the
+    addresses are host memory."""
     if not len(table):
         return
     w = word_bytes(table)
     words = table.copy()
     words[:, 2] //= w
-    grid = (len(words), triton.cdiv(int(words[:, 2].max()), _PER_PROGRAM))
+    parts = triton.cdiv(int(words[:, 2].max()), _PER_PROGRAM)
+    pieces = len(words) * parts
+    grid = (min(pieces, programs) if programs else pieces,)
     # Uploaded from pinned memory: the host never waits on the stream for it, and torch
     # keeps the host copy until the upload has run.
     on_device = torch.from_numpy(words)
     if device.type == "cuda":
         on_device = on_device.pin_memory().to(device, non_blocking=True)
     _copy_rows[grid](
-        on_device, WORD=_WORDS[w], BLOCK=_BLOCK, PER_PROGRAM=_PER_PROGRAM, num_warps=_WARPS
+        on_device,
+        pieces,
+        parts,
+        WORD=_WORDS[w],
+        BLOCK=_BLOCK,
+        PER_PROGRAM=_PER_PROGRAM,
+        num_warps=_WARPS,
     )
