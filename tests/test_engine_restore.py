@@ -22,7 +22,7 @@ from hybridkv.engine import (
 
 pytestmark = pytest.mark.engine
 
-ARCHS = ["qwen3-next", "gemma3", "qwen3"]
+ARCHS = ["qwen3-next", "gemma3", "qwen3", "gpt-oss"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -50,12 +50,29 @@ def test_restore_matches_native_prefix_hit(engine):
     arch, llm = engine
     prompt = tokens(700, seed=1)
     C = _chunk(llm)
-    loaded_before = worker_connector().worker_side.stats.loaded_blocks
+    stats = worker_connector().worker_side.stats
+    loaded_before, read_before = stats.loaded_bytes, sum(stats.read_bytes.values())
+    loaded_blocks_before = stats.loaded_blocks
     cold, native, restored = _native_then_restored(llm, prompt)
     assert native.num_cached_tokens > 0, "vLLM's own prefix cache should hit"
     assert restored.num_cached_tokens >= len(prompt) - C
     assert restored.num_cached_tokens < len(prompt)
-    assert worker_connector().worker_side.stats.loaded_blocks > loaded_before
+    # Exactly what resuming there needs: every full-attention block, a sliding group's
+    # window behind the hit (not its whole prefix), one state per recurrent group.
+    hit = restored.num_cached_tokens
+    needed = {
+        GroupKind.FULL: lambda s: hit // s.block_tokens,
+        GroupKind.SLIDING: lambda s: (
+            hit // s.block_tokens - max(hit - s.window, 0) // s.block_tokens
+        ),
+        GroupKind.STATE: lambda s: 1,
+    }
+    groups = scheduler_connector(llm).layout.groups
+    loaded = stats.loaded_blocks - loaded_blocks_before
+    assert loaded == sum(needed[s.kind](s) for s in groups), (arch, hit, groups)
+    # and read from the tier no more than it wrote into the cache
+    read = sum(stats.read_bytes.values()) - read_before
+    assert read == stats.loaded_bytes - loaded_before > 0
     assert restored.token_ids == native.token_ids
     assert restored.logprobs == native.logprobs
     assert restored.token_ids == cold.token_ids

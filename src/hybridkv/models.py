@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-ARCHS = ("qwen3-next", "gemma3", "qwen3")
+ARCHS = ("qwen3-next", "gemma3", "qwen3", "gpt-oss")
 SIZES = ("tiny", "small")
 
 _VOCAB = {"tiny": 2048, "small": 32000}
@@ -68,7 +68,22 @@ def _qwen3(size: str) -> dict[str, Any]:
     return dict(_dims(size, (2, 12)), model_type="qwen3")
 
 
-_BUILDERS = {"qwen3-next": _qwen3_next, "gemma3": _gemma3, "qwen3": _qwen3}
+def _gpt_oss(size: str) -> dict[str, Any]:
+    # Layers alternate sliding (128-token window, as gpt-oss ships) and full attention;
+    # every attention head has a learned sink. Mixture of experts as in gpt-oss.
+    tiny = size == "tiny"
+    dims = _dims(size, (4, 12))
+    return dict(
+        dims,
+        model_type="gpt_oss",
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * (dims["num_hidden_layers"] // 2),
+        num_local_experts=4 if tiny else 8,
+        num_experts_per_tok=2,
+    )
+
+
+_BUILDERS = {"qwen3-next": _qwen3_next, "gemma3": _gemma3, "qwen3": _qwen3, "gpt-oss": _gpt_oss}
 
 
 def model_config(arch: str, size: str = "tiny") -> dict[str, Any]:

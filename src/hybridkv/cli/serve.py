@@ -37,9 +37,9 @@ def serve(
         str,
         typer.Argument(
             metavar="MODEL",
-            help="model directory or id; or ARCH[:SIZE] (qwen3-next, gemma3, qwen3; tiny or "
-            "small) for a generated random-weight model, made under $HYBRIDKV_HOME if missing "
-            "and served under that name",
+            help="model directory or id; or ARCH[:SIZE] (qwen3-next, gemma3, qwen3, gpt-oss; "
+            "tiny or small) for a generated random-weight model, made under $HYBRIDKV_HOME if "
+            "missing and served under that name",
         ),
     ],
     vllm_args: Annotated[
