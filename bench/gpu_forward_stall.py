@@ -6,10 +6,11 @@ A fake KV cache on the GPU (`common.FakeCopies`); each step, on the compute stre
 "forward" of `--products` bf16 matrix products of `--size`^2, the forward's writes of the
 blocks the step stores, and a small "sampling" kernel; the host then waits for the step
 before's sampling, as vLLM's scheduler waits for its sampled tokens (one step ahead at
-most). Four designs, run in turn in every round (`common.interleaved`):
+most). The designs, run in turn in every round (`common.interleaved`):
 - `none`: no stores;
-- `hybridkv`: the step's stores (`CopyEngine.gather_async`, on the store stream), which
-  the compute stream never waits for;
+- `hybridkv@N`: the step's stores (`CopyEngine.gather_async`, on the store stream, its
+  kernel on N programs: `--copy-programs`, several for a sweep), which the compute
+  stream never waits for;
 - `wait-per-store`: the same stores, and the compute stream waits for each where it is
   queued (`hold_compute` right after it: what every store did before issue 28, so the
   step's sampling and the next forward came after it);
@@ -21,6 +22,7 @@ for it). Each figure is the median seconds of `--steps` steps.
 
     python bench/gpu_forward_stall.py           # 64 MiB stored a step, ~11 ms forward on an H100
     python bench/gpu_forward_stall.py --loads
+    python bench/gpu_forward_stall.py --copy-programs 0 4 8 16 32
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 from common import RESULTS, FakeCopies, interleaved, write_result
 
-DESIGNS = ("none", "hybridkv", "wait-per-store", "dma")
+from hybridkv.core.copy_engine import CopyEngine
 
 
 def main() -> None:
@@ -49,8 +51,9 @@ def main() -> None:
     p.add_argument(
         "--copy-programs",
         type=int,
-        default=None,
-        help="programs a copy batch runs on (default: cuda_rows.PROGRAMS; 0: one per piece)",
+        nargs="+",
+        help="programs a store batch runs on, one `hybridkv@N` design each (default: "
+        "cuda_rows.PROGRAMS; 0: one per piece)",
     )
     p.add_argument("--json", type=Path, default=RESULTS / "gpu_forward_stall.json")
     args = p.parse_args()
@@ -58,15 +61,18 @@ def main() -> None:
         print("gpu_forward_stall: no CUDA device here; nothing measured")
         sys.exit(0)
 
+    from hybridkv.core.cuda_rows import PROGRAMS  # Triton, which a CUDA build has
+
     fake = FakeCopies.make(
-        args.page_bytes,
-        args.layers,
-        args.blocks_per_entry,
-        args.entries,
-        device="cuda",
-        cuda_programs=args.copy_programs,
+        args.page_bytes, args.layers, args.blocks_per_entry, args.entries, device="cuda"
     )
     engine = fake.engine
+    # One store engine per program count asked for, sharing the cache and pinned pool.
+    stores = {
+        f"hybridkv@{n}": CopyEngine(engine.kv, engine.pool, cuda_programs=n)
+        for n in args.copy_programs or [PROGRAMS]
+    }
+    designs = ("none", *stores, "wait-per-store", "dma")
     stored_ids = torch.tensor(sorted({b for c in fake.stores for b in c.block_ids}), device="cuda")
     to_load = list(zip(fake.loads, engine.gather(fake.stores), strict=True))
     a = torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
@@ -90,8 +96,9 @@ def main() -> None:
                 with torch.cuda.stream(dma_stream):
                     dma_dst.copy_(dma_src, non_blocking=True)
             elif design != "none":
+                store = stores.get(design, engine)
                 landing = [(e, ld) for e, ld in landing if not ld.done()]
-                landing.append(engine.gather_async(fake.stores))
+                landing.append(store.gather_async(fake.stores))
                 if design == "wait-per-store":
                     engine.hold_compute(landing[-1][1])
             if args.loads:
@@ -104,21 +111,21 @@ def main() -> None:
             sampled = event
         torch.cuda.synchronize()
 
-    t = interleaved({d: (lambda d=d: steps(d)) for d in DESIGNS}, args.repeats)
+    t = interleaved({d: (lambda d=d: steps(d)) for d in designs}, args.repeats)
     per_step = {d: secs / args.steps for d, secs in t.items()}
     result = {
         "device": torch.cuda.get_device_name(),
         "stored_bytes_per_step": stored,
         "loads": args.loads,
         "step_seconds": per_step,
-        "slowdown": {d: per_step[d] / per_step["none"] - 1 for d in DESIGNS[1:]},
+        "slowdown": {d: per_step[d] / per_step["none"] - 1 for d in designs[1:]},
     }
     print(
         f"{result['device']}: {stored / 2**20:.0f} MiB stored a step"
         f"{' and as much loaded' if args.loads else ''}, forward {args.products} bf16 "
         f"products of {args.size}^2"
     )
-    for d in DESIGNS:
+    for d in designs:
         slow = f"{result['slowdown'][d]:+.1%}" if d != "none" else ""
         print(f"{d:16}{per_step[d] * 1e3:9.2f} ms a step {slow:>8}")
     write_result(result, args)
