@@ -52,18 +52,22 @@ print("ok")
 """
 
 
-def test_the_triton_row_kernel_moves_what_the_native_copy_moves():
-    env = os.environ | {"TRITON_INTERPRET": "1"}
-    tests = str(Path(__file__).parent)
+def _interpreted(script: str, *args: str) -> None:
+    """Run `script` in a new interpreter with Triton's interpreter on (it must be set
+    before Triton is imported); it prints "ok" when its checks hold."""
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, tests, "12"],
-        env=env,
+        [sys.executable, "-c", script, *args],
+        env=os.environ | {"TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_the_triton_row_kernel_moves_what_the_native_copy_moves():
+    _interpreted(SCRIPT, str(Path(__file__).parent), "12")
 
 
 LONG_ROWS = r"""
@@ -85,17 +89,8 @@ print("ok")
 
 
 def test_rows_of_several_pieces_are_copied_whole_by_any_number_of_programs():
-    seed = SEED
-    print(f"row sizes drawn with seed {seed}")
-    out = subprocess.run(
-        [sys.executable, "-c", LONG_ROWS, str(seed)],
-        env=os.environ | {"TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
+    print(f"row sizes drawn with seed {SEED}")
+    _interpreted(LONG_ROWS, str(SEED))
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,8 @@ _WARPS = 4
 # most SMs, enough to keep the PCIe link full. Measured on an H200 (docs/benchmarks.md,
 # "GPU forward stall"): one program per piece (thousands) filled every SM, so a store
 # slowed the forward running beside it by 6 %, as much as if the forward had waited for
-# it; 16 programs moved as many bytes a second and slowed it by 3 %. 0: one per piece.
+# it; 16 programs moved as many bytes a second and slowed it by 3.3 % (one run each;
+# 32 and 64: 5.1 % and 5.6 %; fewer than 16 not measured). 0: one per piece.
 PROGRAMS = 16
 _WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 
