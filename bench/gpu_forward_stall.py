@@ -68,11 +68,11 @@ def main() -> None:
     )
     engine = fake.engine
     # One store engine per program count asked for, sharing the cache and pinned pool.
-    stores = {
+    engines = {
         f"hybridkv@{n}": CopyEngine(engine.kv, engine.pool, cuda_programs=n)
         for n in args.copy_programs or [PROGRAMS]
     }
-    designs = ("none", *stores, "wait-per-store", "dma")
+    designs = ("none", *engines, "wait-per-store", "dma")
     stored_ids = torch.tensor(sorted({b for c in fake.stores for b in c.block_ids}), device="cuda")
     to_load = list(zip(fake.loads, engine.gather(fake.stores), strict=True))
     a = torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
@@ -96,7 +96,7 @@ def main() -> None:
                 with torch.cuda.stream(dma_stream):
                     dma_dst.copy_(dma_src, non_blocking=True)
             elif design != "none":
-                store = stores.get(design, engine)
+                store = engines.get(design, engine)
                 landing = [(e, ld) for e, ld in landing if not ld.done()]
                 landing.append(store.gather_async(fake.stores))
                 if design == "wait-per-store":

@@ -312,9 +312,7 @@ def serving(entries: int, steps: int, freeze: bool) -> dict[str, float]:
     the oldest generation walks every time the objects surviving younger collections
     have grown by a quarter (CPython 3.11), on the scheduler's thread, whatever step it
     falls in."""
-    # vLLM's engine builds its scheduler, and with it the connector's scheduler side and
-    # its empty tables, then freezes what start-up allocated (`freeze_gc_heap`).
-    stream = Serving(entries)
+    stream = Serving(entries)  # built before the freeze, as vLLM builds its scheduler
     gc.collect()
     gc.freeze()
     index = stream.side.index

@@ -7,8 +7,8 @@ test stops it and starts the next on the same directory. Every test checks that 
 requests succeeded (a dead engine fails every request still open) and that the server
 log shows no error or traceback. gpt-oss (sliding window of 128 with attention sinks,
 full attention, experts) runs the concurrency and preemption tests; the other two cover
-the same sliding-window path on Gemma-3 (suite time). About 4 minutes for the three
-models on 2 idle cores.
+the same sliding-window path on Gemma-3 (suite time). About 2.5 minutes for Qwen3-Next
+and Gemma-3 on 2 idle cores; gpt-oss adds under a minute.
 
 Output comparisons: on Qwen3-Next a restore equals a recompute bit for bit when the
 request runs alone. On this CPU Gemma-3's kernels round differently with where a prefix
