@@ -8,6 +8,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridkv.core.boundary_graph import NO_NEEDS, NONE
 from hybridkv.core.ghosts import GHOSTS_MIN, GHOSTS_PER_ENTRY
 from hybridkv.core.index import StoreIndex
 from hybridkv.core.keys import group_key
@@ -174,9 +175,10 @@ def test_a_junction_stored_below_a_boundary_becomes_its_parent():
     junction = index.boundary_id(chunk(1, 2, STATE))
     needs = [chunk(1, c) for c in range(3)] + [chunk(2, 3)]
     assert index.admit_boundary(states(2, 3), needs, 40, 250, junction)
+    rows = index.graph.rows
     first = index.graph.boundary(chunk(1, 3, STATE))
-    assert first.parent.bid == junction and first.parent.kids == 2
-    assert first.own_bytes == 200 + 50  # its states and the one chunk past the junction
+    assert rows.bid(rows.parent[first]) == junction and rows.kids[rows.parent[first]] == 2
+    assert rows.own_bytes[first] == 200 + 50  # its states and the one chunk past the junction
     # Full: a question's boundary goes first (a leaf), not the junction's states.
     index.capacity = index.gauges()["cpu_bytes"]
     assert index.admit(chunk(9, 0), 250)
@@ -357,23 +359,28 @@ def test_budget_pins_and_whole_boundaries_hold_under_any_sequence(ops, capacity,
         # A pinned entry is never evicted.
         assert all(index.in_cpu(k) for k, was in before.items() if was and k in pinned)
         graph = index.graph
+        rows, segs = graph.rows, graph.segments
         boundaries = set(graph.state_of.values())
+        assert graph.count == len(boundaries) == len(rows.states)
         for b in boundaries:
-            # Every boundary counted has all its states in CPU memory.
-            assert all(index.in_cpu(k) for k in b.states)
+            # Every boundary counted has all its states in CPU memory, and is theirs.
+            assert all(index.in_cpu(k) and graph.state_of[k] == b for k in rows.state_keys(b))
             # The chain tree links only boundaries in CPU memory, both ways.
-            assert b.parent is None or (b.parent in boundaries and b in b.parent.children)
-            assert all(c.parent is b for c in b.children)
+            parent = rows.parent[b]
+            assert parent == NONE or (parent in boundaries and b in rows.children(parent))
+            assert all(rows.parent[c] == b for c in rows.children(b))
+            assert rows.kids[b] == len(rows.children(b))
         # A segment's references are the boundaries that end on it and the live segments
         # that extend it; each attention entry counts the live segments that hold it, so
-        # it is needed exactly when a boundary needs it.
-        live = {s for b in boundaries for s in b.needs.path() if s.keys}
-        ends = Counter(b.needs for b in boundaries)
-        assert all(s.refs == ends[s] + sum(t.up is s for t in live) for s in live)
+        # it is needed exactly when a boundary needs it. Only live segments keep a row.
+        live = {s for b in boundaries for s in segs.path(rows.needs[b]) if segs.keys[s]}
+        assert set(segs.keys) == live | {NO_NEEDS}
+        ends = Counter(rows.needs[b] for b in boundaries)
+        assert all(segs.refs[s] == ends[s] + sum(segs.up[t] == s for t in live) for s in live)
         assert {k: n for k, n in graph.needers.items() if n} == Counter(
-            k for s in live for k in s.own()
+            k for s in live for k in segs.own(s)
         )
-        assert set(graph.needers) >= {k for b in boundaries for k in b.needs}
+        assert set(graph.needers) >= {k for b in boundaries for k in segs.all_keys(rows.needs[b])}
         # The shared table keeps a key only while it is in CPU memory or needed.
         table = index.ledger.table
         assert sum(map(len, table.parts)) + len(table.away) == len(

@@ -25,7 +25,7 @@ import reference_index
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.core.boundary_graph import NO_NEEDS, Boundary, by_recent, by_used
+from hybridkv.core.boundary_graph import NO_NEEDS, Boundaries
 from hybridkv.core.boundary_order import DEAD, LIVE, PROTECTED_DEAD, BoundaryOrder
 from hybridkv.core.index import StoreIndex, WorkerReport
 from hybridkv.core.keys import group_key
@@ -368,17 +368,19 @@ def rank_excess(order: Any, alpha: float) -> tuple[float, float]:
     """For the unprotected boundaries of an order (all of it, first, while the workload
     does not loop): how far the min-max utility of the first by rank is above the lowest,
     and the bound core/eviction.py documents, 2 * max |lambda_i - lambda| * e_i / span."""
-    cands = [*order._ranked[DEAD], *order._ranked[LIVE]]
+    rows = order.rows
+    cands = [*order._ranked[DEAD].rows(), *order._ranked[LIVE].rows()]
     if len(cands) < 2:
         return 0.0, 0.0
-    used = [b.used for b in cands]
-    eff = [b.efficiency for b in cands]
+    used = [rows.used[b] for b in cands]
+    eff = [rows.efficiency(b) for b in cands]
+    rank = [rows.rank[b] for b in cands]
     span = max(max(used) - min(used), 1)
     best = max(eff) or 1.0
     utility = [(u - min(used)) / span + alpha * e / best for u, e in zip(used, eff, strict=True)]
-    first = min(range(len(cands)), key=lambda i: cands[i].by_rank)
+    first = min(range(len(cands)), key=lambda i: (rank[i], rows.seq[cands[i]]))
     scale = alpha * span / best
-    drift = max(abs((b.rank - b.used) / e - scale) * e for b, e in zip(cands, eff, strict=True))
+    drift = max(abs((r - u) / e - scale) * e for r, u, e in zip(rank, used, eff, strict=True))
     return utility[first] - min(utility), 2 * drift / span
 
 
@@ -429,26 +431,31 @@ def test_boundary_order_equals_the_reference_order(ops, room):
     """One `BoundaryOrder` (core/boundary_order.py) under adds, removals and a cutoff
     moving both ways: its order, looping or not, is the reference's (the reference given
     the ranks), and each boundary is filed dead exactly when last used before the cutoff."""
-    order = BoundaryOrder(0, room)
-    held: list[Boundary] = []
+    rows = Boundaries()
+    order = BoundaryOrder(rows, 0, room)
+    held: list[int] = []
     seq = 0
     for op, value, reused, own, rank in ops:
         if op == "add":
             seq += 1
-            b = Boundary(1, (bytes([seq]),), NO_NEEDS, own, value, seq, reused=reused)
-            b.by_used, b.by_recent = by_used(value, seq), by_recent(value, seq)
-            b.rank = rank + seq / 1000
-            b.by_rank = (b.rank, seq)
+            b = rows.new((bytes([seq]),), NO_NEEDS, 1, own, value, seq)
+            rows.reused[b] = reused
+            rows.rank[b] = rank + seq / 1000
             order.add(b)
             held.append(b)
         elif op == "remove" and held:
-            order.remove(held.pop(value % len(held)))
+            b = held.pop(value % len(held))
+            order.remove(b)
+            rows.free(b)  # (its row is handed out again)
         elif op == "sync":
             order.sync(value - 0.5)
         for b in held:
-            assert (b.place - order.base in (DEAD, PROTECTED_DEAD)) == (b.used < order.cutoff)
+            dead = rows.place[b] - order.base in (DEAD, PROTECTED_DEAD)
+            assert dead == (rows.used[b] < order.cutoff)
         ref = [
-            reference_eviction.Boundary(1, b.states, (), b.own_bytes, b.used, reused=b.reused)
+            reference_eviction.Boundary(
+                1, (rows.bid(b),), (), rows.own_bytes[b], rows.used[b], reused=rows.reused[b]
+            )
             for b in held
         ]
         now = 100
@@ -456,6 +463,6 @@ def test_boundary_order_equals_the_reference_order(ops, room):
             live_for = now - order.cutoff if looping else None
             with ranked_reference()[0]:
                 for r, b in zip(ref, held, strict=True):
-                    r.rank = b.rank  # type: ignore[attr-defined]
+                    r.rank = rows.rank[b]  # type: ignore[attr-defined]
                 want = reference_eviction.eviction_order(ref, 0.0, room, now, live_for)
-            assert [b.states for b in order.order(looping)] == [r.states for r in want]
+            assert [rows.bid(b) for b in order.order(looping)] == [r.states[0] for r in want]

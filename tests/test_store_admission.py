@@ -125,6 +125,6 @@ def test_a_boundary_with_one_state_left_is_admitted_whole():
     assert store(request("restore", target)) == [lost]
     assert kept not in index.take_orders().evict
     b = index.graph.boundary(kept)
-    assert b is not None and set(b.states) == {lost, kept}
+    assert b is not None and set(index.graph.rows.state_keys(b)) == {lost, kept}
     assert index.in_cpu(lost) and index.in_cpu(kept)
     assert index.stats.cpu_evictions > 0

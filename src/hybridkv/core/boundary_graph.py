@@ -12,21 +12,31 @@ a `GraphWatcher` (the eviction policy) what changed, boundary by boundary and or
 orphan.
 
 Compact records, because a production CPU tier holds a million entries: a boundary's
-needs are a chain of `Segment`s, each the keys one boundary added beyond the segment it
+needs are a chain of *segments*, each the keys one boundary added beyond the segment it
 extends, packed into one bytes object, so the boundaries of a chain share its keys
 instead of each holding a tuple of all of them. A segment counts what refers to it
 (`refs`: boundaries that end on it, segments that extend it) and lives while that is
 above 0; per attention entry a count of the live segments that hold it shares the byte
-ledger's slot for the key (core/entry_table.py). So a boundary admitted or
-forgotten below another of its chain touches only the keys of its own segment, not its
-whole chain's (a 24k-token prompt's boundary needs 96 chunks; its own segment, the few
-chunks of its turn), and an eviction choice counts what it frees the same way (`dies`).
+ledger's slot for the key (core/entry_table.py). So a boundary admitted or forgotten
+below another of its chain touches only the keys of its own segment, not its whole
+chain's (a 24k-token prompt's boundary needs 96 chunks; its own segment, the few chunks
+of its turn), and an eviction choice counts what it frees the same way (`Segments.dies`).
+
+Boundaries and segments are *rows*: an int id into columns of `array.array`s, and dicts
+of ints to bytes for their keys, not a Python object each. A full collection of CPython's
+garbage collector follows every reference of every object it tracks, on vLLM's scheduler
+thread; as objects (16 references a boundary, 4 a segment, and a boundary in each of the
+state map's values) they were 2.3 million of the 2.9 million references a 190-300 ms
+collection followed at a million entries (docs/benchmarks.md). Arrays of numbers, and
+dicts whose keys and values are bytes and ints, are not tracked at all (an array is one
+object). Children are linked through the rows (first child, next and previous sibling),
+so adding or dropping one is O(1) without a set per parent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
+from array import array
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from hybridkv.core.keymap import KeyMap
@@ -34,156 +44,236 @@ from hybridkv.core.keys import KEY_BYTES
 from hybridkv.core.ledger import Ledger
 
 KEY_WIDTH = KEY_BYTES + 2  # a group key (core/keys.py)
-# A boundary's sort keys by last use pack (use, admission order) into one int, not a
-# tuple: one object per key instead of three (a tuple and a negated int), at a hundred
-# thousand boundaries. Admission order stays below 2**SEQ_BITS for any real uptime.
-SEQ_BITS = 48
+NONE = -1  # no row
+NO_NEEDS = 0  # the segment of a boundary that needs nothing
 
 
-def by_used(used: int, seq: int) -> int:
-    """Sorts by last use, oldest first, then admission order."""
-    return used << SEQ_BITS | seq
+class Rows:
+    """Column storage with reusable row ids: the common part of `Boundaries` and
+    `Segments`. Each column is an `array.array`; a freed id is handed out again."""
+
+    COLUMNS: dict[str, str] = {}  # name -> array typecode
+
+    def __init__(self) -> None:
+        for name, code in self.COLUMNS.items():
+            setattr(self, name, array(code))
+        self._free = array("q")
+
+    def _new(self, *values: float) -> int:
+        """A row with the columns' values, in `COLUMNS` order."""
+        if self._free:
+            row = self._free.pop()
+            for name, value in zip(self.COLUMNS, values, strict=True):
+                getattr(self, name)[row] = value
+            return row
+        for name, value in zip(self.COLUMNS, values, strict=True):
+            getattr(self, name).append(value)
+        return len(getattr(self, next(iter(self.COLUMNS)))) - 1
+
+    def _release(self, row: int) -> None:
+        self._free.append(row)
+
+    def _reset(self) -> None:
+        for name in self.COLUMNS:
+            del getattr(self, name)[:]
+        del self._free[:]
 
 
-def by_recent(used: int, seq: int) -> int:
-    """Sorts by last use, newest first, then admission order."""
-    return seq - (used << SEQ_BITS)
+class Segments(Rows):
+    """A boundary's needs as a chain of segments (the module docstring): row `NO_NEEDS`
+    needs nothing."""
 
+    COLUMNS = {"up": "q", "refs": "q"}  # the segment it extends (NONE: first of its chain)
 
-@dataclass(eq=False, slots=True)
-class Segment:
-    """Keys a boundary needs beyond those of the segment it extends (`up`), KEY_WIDTH
-    bytes each, in chain order."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: dict[int, bytes] = {}  # its own keys, KEY_WIDTH bytes each, in order
+        self.clear()
 
-    keys: bytes
-    up: Segment | None
-    refs: int = 0  # boundaries ending on it and segments extending it: it lives while > 0
+    def new(self, keys: bytes, up: int) -> int:
+        seg = self._new(up, 0)
+        self.keys[seg] = keys
+        return seg
 
-    def path(self) -> list[Segment]:
+    def free(self, seg: int) -> None:
+        del self.keys[seg]
+        self._release(seg)
+
+    def clear(self) -> None:
+        self._reset()
+        self.keys.clear()
+        self.new(b"", NONE)  # NO_NEEDS
+
+    def path(self, seg: int) -> list[int]:
         """This segment and the ones above it, the chain's first first."""
         out = []
-        seg: Segment | None = self
-        while seg is not None:
+        while seg != NONE:
             out.append(seg)
-            seg = seg.up
+            seg = self.up[seg]
         out.reverse()
         return out
 
-    def blob(self) -> bytes:
-        return b"".join(s.keys for s in self.path())
+    def blob(self, seg: int) -> bytes:
+        return b"".join(self.keys[s] for s in self.path(seg))
 
-    def __iter__(self) -> Iterator[bytes]:
-        W = KEY_WIDTH
-        return iter([s.keys[i : i + W] for s in self.path() for i in range(0, len(s.keys), W)])
+    def head(self, seg: int) -> bytes:
+        """The first key of its chain."""
+        while self.up[seg] != NONE:
+            seg = self.up[seg]
+        return self.keys[seg][:KEY_WIDTH]
 
-    def __contains__(self, key: bytes) -> bool:
-        seg: Segment | None = self
-        while seg is not None:
-            at = seg.keys.find(key)
+    def all_keys(self, seg: int) -> list[bytes]:
+        """Every key it and the segments above it hold, in chain order."""
+        return [key for s in self.path(seg) for key in self.own(s)]
+
+    def holds(self, seg: int, key: bytes) -> bool:
+        while seg != NONE:
+            keys = self.keys[seg]
+            at = keys.find(key)
             while at >= 0:
                 if at % KEY_WIDTH == 0:
                     return True
-                at = seg.keys.find(key, at + 1)
-            seg = seg.up
+                at = keys.find(key, at + 1)
+            seg = self.up[seg]
         return False
 
-    def own(self) -> Iterator[bytes]:
+    def own(self, seg: int) -> list[bytes]:
         """Its own keys (not those of the segments above it)."""
-        W = KEY_WIDTH
-        return iter([self.keys[i : i + W] for i in range(0, len(self.keys), W)])
+        keys, W = self.keys[seg], KEY_WIDTH
+        return [keys[i : i + W] for i in range(0, len(keys), W)]
 
-    def dies(self, left: dict[Segment, int]) -> Iterator[Segment]:
-        """The segments that die when one reference to this one goes, this one first,
-        with `left` holding references already dropped (a choice's, not applied yet:
-        `left` maps a segment to the references it has left)."""
-        seg: Segment | None = self
-        while seg is not None and seg is not NO_NEEDS:
-            n = left.get(seg, seg.refs) - 1
+    def dies(self, seg: int, left: dict[int, int]) -> Iterator[int]:
+        """The segments that die when one reference to `seg` goes, it first, with `left`
+        holding references already dropped (a choice's, not applied yet: `left` maps a
+        segment to the references it has left)."""
+        refs, up = self.refs, self.up
+        while seg != NONE and seg != NO_NEEDS:
+            n = left.get(seg, refs[seg]) - 1
             left[seg] = n
             if n:
                 return
             yield seg
-            seg = seg.up
+            seg = up[seg]
 
 
-NO_NEEDS = Segment(b"", None)
+class Boundaries(Rows):
+    """A boundary whose states are all in CPU memory, as a row."""
 
+    COLUMNS = {
+        "tokens": "q",  # a hit here saves the prefill of this many tokens
+        "needs": "q",  # its segment: the attention entries a hit here also reads
+        "own_bytes": "q",  # its states plus the chunks after the chain's previous boundary
+        "used": "q",  # logical time of its last use
+        "seq": "q",  # admission order (earlier first among equals)
+        "parent": "q",  # the chain's previous boundary in CPU memory
+        "kid": "q",  # its first child (the others follow through `next`)
+        "next": "q",  # the next child of its parent, or root of its chain's head
+        "prev": "q",
+        "kids": "q",  # how many children
+        "reused": "b",  # used again since its admission (a hit, or vLLM's own)
+        "held": "q",  # its states that are pinned or promoting: it cannot go while > 0
+        # Where the eviction policy filed it (core/eviction.py): its rank, the use and
+        # efficiency it was ranked with, and its place (0: in no order).
+        "rank": "d",
+        "used_ranked": "q",
+        "efficiency_ranked": "d",
+        "ranked": "b",
+        "place": "b",
+    }
 
-@dataclass(eq=False, slots=True)
-class Boundary:
-    """A boundary whose states are all in CPU memory."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.states: dict[int, bytes] = {}  # its states' keys, one per recurrent group
+        self._width: dict[int, int] = {}  # a state key's length, when not KEY_WIDTH
 
-    tokens: int  # a hit here saves the prefill of this many tokens
-    states: tuple[bytes, ...]  # one entry per recurrent group; the first names it
-    needs: Segment  # attention entries a hit here also reads
-    own_bytes: int  # its states plus the chunks after the chain's previous boundary
-    used: int  # logical time of its last use
-    seq: int  # admission order (earlier first among equals)
-    parent: Boundary | None = None  # the chain's previous boundary in CPU memory
-    # Its children: the one itself, or two or more in a set (most parents have one, and
-    # a set costs 216 bytes).
-    _kids: Boundary | set[Boundary] | None = None
-    reused: bool = False  # used again since its admission (a hit, or vLLM's own)
-    held: int = 0  # its states that are pinned or promoting: it cannot go while > 0
-    # Where the eviction policy filed it (core/eviction.py): its rank, the efficiency it
-    # was ranked with, and its sort keys.
-    rank: float = 0.0
-    efficiency_ranked: float = 0.0
-    place: int = 0
-    by_used: int = 0  # by_used(used, seq) when ranked (0: not yet)
-    by_recent: int = 0  # by_recent(used, seq)
-    by_rank: tuple[float, int] = (0.0, 0)
+    def new(
+        self, states: Sequence[bytes], needs: int, tokens: int, own_bytes: int, used: int, seq: int
+    ) -> int:
+        width = len(states[0])
+        if any(len(key) != width for key in states):
+            raise ValueError("a boundary's state keys have one length")
+        row = self._new(tokens, needs, own_bytes, used, seq, *(NONE,) * 4, *(0,) * 8)
+        self.states[row] = b"".join(states)
+        if width != KEY_WIDTH:
+            self._width[row] = width
+        return row
 
-    @property
-    def bid(self) -> bytes:
-        return self.states[0]
+    def free(self, row: int) -> None:
+        del self.states[row]
+        self._width.pop(row, None)
+        self._release(row)
 
-    @property
-    def kids(self) -> int:
-        kids = self._kids
-        return 0 if kids is None else len(kids) if type(kids) is set else 1
+    def clear(self) -> None:
+        self._reset()
+        self.states.clear()
+        self._width.clear()
 
-    @property
-    def children(self) -> Collection[Boundary]:
-        kids = self._kids
-        return () if kids is None else kids if type(kids) is set else (kids,)
+    def state_keys(self, row: int) -> list[bytes]:
+        blob, W = self.states[row], self._width.get(row, KEY_WIDTH)
+        return [blob[i : i + W] for i in range(0, len(blob), W)]
 
-    def add_child(self, child: Boundary) -> None:
-        kids = self._kids
-        if kids is None:
-            self._kids = child
-        elif type(kids) is set:
-            kids.add(child)
-        elif kids is not child:
-            self._kids = {kids, child}
+    def bid(self, row: int) -> bytes:
+        """Its id: its first state's key."""
+        return self.states[row][: self._width.get(row, KEY_WIDTH)]
 
-    def drop_child(self, child: Boundary) -> None:
-        kids = self._kids
-        if kids is child:
-            self._kids = None
-        elif type(kids) is set:
-            kids.discard(child)
-            if len(kids) == 1:
-                self._kids = next(iter(kids))
-
-    @property
-    def efficiency(self) -> float:
+    def efficiency(self, row: int) -> float:
         """Tokens of prefill a hit here saves per byte kept."""
-        return self.tokens / (self.own_bytes or 1)
+        return self.tokens[row] / (self.own_bytes[row] or 1)
+
+    def children(self, row: int) -> list[int]:
+        return self.siblings(self.kid[row])
+
+    def siblings(self, first: int) -> list[int]:
+        """`first` and the rows linked after it."""
+        out, nxt = [], self.next
+        while first != NONE:
+            out.append(first)
+            first = nxt[first]
+        return out
+
+    def link(self, first: int, row: int) -> int:
+        """Put `row` at the front of the sibling list starting at `first`: the new first."""
+        self.next[row], self.prev[row] = first, NONE
+        if first != NONE:
+            self.prev[first] = row
+        return row
+
+    def unlink(self, first: int, row: int) -> int:
+        """Take `row` out of the sibling list starting at `first`: the new first."""
+        nxt, prv = self.next[row], self.prev[row]
+        if prv != NONE:
+            self.next[prv] = nxt
+        else:
+            first = nxt
+        if nxt != NONE:
+            self.prev[nxt] = prv
+        self.next[row] = self.prev[row] = NONE
+        return first
+
+    def add_child(self, parent: int, child: int) -> None:
+        self.kid[parent] = self.link(self.kid[parent], child)
+        self.kids[parent] += 1
+        self.parent[child] = parent
+
+    def drop_child(self, parent: int, child: int) -> None:
+        self.kid[parent] = self.unlink(self.kid[parent], child)
+        self.kids[parent] -= 1
+        self.parent[child] = NONE
 
 
 class GraphWatcher(Protocol):
     """Told of every change to the graph, in this order for a boundary that changes:
     `unfile` before it changes, `scored` once its use or cost changed (a batch: the
-    boundaries of one event), `file` after; `removed` after `unfile` for one that leaves."""
+    boundaries of one event), `file` after; `removed` after `unfile` for one that leaves
+    (its row is then freed)."""
 
-    def unfile(self, b: Boundary) -> None: ...
+    def unfile(self, b: int) -> None: ...
 
-    def scored(self, boundaries: Sequence[Boundary]) -> None: ...
+    def scored(self, boundaries: Sequence[int]) -> None: ...
 
-    def file(self, b: Boundary) -> None: ...
+    def file(self, b: int) -> None: ...
 
-    def removed(self, b: Boundary) -> None: ...
+    def removed(self, b: int) -> None: ...
 
     def orphaned(self, key: bytes, orphan: bool) -> None: ...
 
@@ -193,18 +283,21 @@ class BoundaryGraph:
         self.ledger = ledger
         self.watcher = watcher
         self.tick = 0  # logical clock of uses
-        self.state_of: KeyMap[Boundary] = KeyMap()
+        self.rows = Boundaries()
+        self.segments = Segments()
+        self.state_of: KeyMap[int] = KeyMap()  # state key -> its boundary's row
         # Attention entry -> live segments that hold it (needed while listed): the ledger's
         # table, whose slot for a key holds both.
         self.table = ledger.table
         self.needers = ledger.table.needers
-        # Boundaries without a parent, by their chain's first key (a junction adopts from
-        # these; with a parent, from its children).
-        self._roots: dict[bytes, set[Boundary]] = {}
+        # Boundaries without a parent, linked as siblings, by their chain's first key (a
+        # junction adopts from these; with a parent, from its children).
+        self._roots: dict[bytes, int] = {}
         self._seq = 0
         self.count = 0
 
-    def boundary(self, key: bytes) -> Boundary | None:
+    def boundary(self, key: bytes) -> int | None:
+        """The row of the boundary `key` is a state of."""
         return self.state_of.get(key)
 
     def is_orphan(self, key: bytes) -> bool:
@@ -229,12 +322,12 @@ class BoundaryGraph:
         """A use of `keys` (a hit, vLLM's own hit): one tick, and every boundary among
         them used now."""
         self.tick += 1
-        used: list[Boundary] = []
-        for key in keys:
-            b = self.state_of.get(key)
-            if b is not None and (b.used != self.tick or not b.reused):
+        tick, rows = self.tick, self.rows
+        used: list[int] = []
+        for b in self.state_of.get_many(keys, None):
+            if b is not None and (rows.used[b] != tick or not rows.reused[b]):
                 self.watcher.unfile(b)
-                b.used, b.reused = self.tick, True
+                rows.used[b], rows.reused[b] = tick, True
                 used.append(b)
         self._refile(used, used)
 
@@ -246,7 +339,7 @@ class BoundaryGraph:
         tokens: int,
         own_bytes: int,
         parent_id: bytes | None,
-    ) -> Boundary:
+    ) -> int:
         """A boundary whose states are in the ledger now (see `StoreIndex.admit_boundary`).
         A longer boundary admitted before it that passes through it and had its parent
         becomes its child (a junction stored below a sibling's boundary is the branch
@@ -257,20 +350,14 @@ class BoundaryGraph:
             if old is not None:
                 self.forget(old)
         self.tick += 1
+        rows = self.rows
         parent = self.state_of.get(parent_id) if parent_id is not None else None
-        if parent is not None and parent.bid != parent_id:
+        if parent is not None and rows.bid(parent) != parent_id:
             parent = None
         self._seq += 1
-        b = Boundary(
-            tokens,
-            tuple(states),
-            self._segment(needs, parent),
-            own_bytes,
-            self.tick,
-            self._seq,
-            parent,
-        )
-        b.held = sum(1 for key in states if self.ledger.held(key))
+        seg = self._segment(needs, parent)
+        b = rows.new(states, seg, tokens, own_bytes, self.tick, self._seq)
+        rows.held[b] = sum(1 for key in states if self.ledger.held(key))
         self.count += 1
         for key in states:
             self.state_of[key] = b
@@ -278,134 +365,148 @@ class BoundaryGraph:
         changed = [b]
         if parent is not None:
             self.watcher.unfile(parent)
-            parent.add_child(b)
+            rows.add_child(parent, b)
             changed.append(parent)
         else:
             self._root(b, True)
         adopted = self._adopt(b, needs[-1]) if needs else []
-        self._refer(b.needs)
+        self._refer(seg)
         self._refile(changed + adopted, [b, *adopted])
         return b
 
-    def _refer(self, seg: Segment) -> None:
+    def _refer(self, seg: int) -> None:
         """One more reference to `seg`; a segment that comes alive refers to the one it
         extends, and its keys count it."""
-        need, state_of = self.table.need, self.state_of
-        while seg is not NO_NEEDS:
-            seg.refs += 1
-            if seg.refs > 1:
+        need, state_of, segs = self.table.need, self.state_of, self.segments
+        refs, up = segs.refs, segs.up
+        while seg != NO_NEEDS:
+            refs[seg] += 1
+            if refs[seg] > 1:
                 return
-            for key in seg.own():
+            for key in segs.own(seg):
                 if need(key) and key not in state_of:
                     self.watcher.orphaned(key, False)
-            if seg.up is None:
+            seg = up[seg]
+            if seg == NONE:
                 return
-            seg = seg.up
 
-    def _segment(self, needs: Sequence[bytes], parent: Boundary | None) -> Segment:
+    def _segment(self, needs: Sequence[bytes], parent: int | None) -> int:
         if not needs:
             return NO_NEEDS
         if any(len(key) != KEY_WIDTH for key in needs):
             raise ValueError(f"needs are group keys of {KEY_WIDTH} bytes")
         blob = b"".join(needs)
-        if parent is not None and parent.needs is not NO_NEEDS:
-            above = parent.needs.blob()
+        segs = self.segments
+        if parent is not None and self.rows.needs[parent] != NO_NEEDS:
+            up = self.rows.needs[parent]
+            above = segs.blob(up)
             if blob.startswith(above):
                 own = blob[len(above) :]
-                return Segment(own, parent.needs) if own else parent.needs
-        return Segment(blob, None)
+                return segs.new(own, up) if own else up
+        return segs.new(blob, NONE)
 
-    def _adopt(self, b: Boundary, last: bytes) -> list[Boundary]:
+    def _adopt(self, b: int, last: bytes) -> list[int]:
         """The boundaries `b` adopts (see `add`); each one's cost is what it keeps beyond
         `b` now. Only a boundary that needs `b`'s last chunk passes through `b`, so when
         none does (`b` is not admitted below a longer one: nearly always) the siblings,
         thousands under one shared system prompt, are not looked at."""
         if not self.needers.get(last):
             return []
-        siblings = b.parent.children if b.parent is not None else self._roots.get(self._head(b))
+        rows, segs = self.rows, self.segments
+        parent = rows.parent[b]
+        siblings = (
+            rows.children(parent)
+            if parent != NONE
+            else rows.siblings(self._roots.get(self._head(b), NONE))
+        )
+        tokens = rows.tokens[b]
         adopted = [
-            o for o in siblings or () if o is not b and o.tokens > b.tokens and last in o.needs
+            o
+            for o in siblings
+            if o != b and rows.tokens[o] > tokens and segs.holds(rows.needs[o], last)
         ]
         if not adopted:
             return []
-        shared = set(b.needs)
+        shared = set(segs.all_keys(rows.needs[b]))
         sizes = self.ledger.sizes
         for o in adopted:
             self.watcher.unfile(o)
-            if o.parent is not None:
-                o.parent.drop_child(o)  # b's parent, unfiled already
+            if rows.parent[o] != NONE:
+                rows.drop_child(rows.parent[o], o)  # b's parent, unfiled already
             else:
                 self._root(o, False)
-            o.parent = b
-            o.own_bytes = sum(sizes[k] for k in o.states) + sum(
-                sizes.get(k, 0) for k in o.needs if k not in shared
+            rows.own_bytes[o] = sum(sizes[k] for k in rows.state_keys(o)) + sum(
+                sizes.get(k, 0) for k in segs.all_keys(rows.needs[o]) if k not in shared
             )
-        for o in adopted:  # b is new: it had none
-            b.add_child(o)
+            rows.add_child(b, o)  # b is new: it had none
         return adopted
 
-    def forget(self, b: Boundary) -> None:
+    def forget(self, b: int) -> None:
         """Stop counting a boundary (one of its states left CPU memory); its other states,
         and the chunks no other boundary needs, stay until evicted, as orphans. Its
         children now follow its parent (the chain's previous boundary left)."""
+        rows, segs = self.rows, self.segments
         self.watcher.unfile(b)
         self.watcher.removed(b)
         self.count -= 1
-        for key in b.states:
+        for key in rows.state_keys(b):
             del self.state_of[key]
             if self.is_orphan(key):
                 self.watcher.orphaned(key, True)
-        parent = b.parent
-        if parent is not None:
+        parent = rows.parent[b]
+        if parent != NONE:
             self.watcher.unfile(parent)
-            parent.drop_child(b)
+            rows.drop_child(parent, b)
         else:
             self._root(b, False)
-        for child in b.children:
-            child.parent = parent
-            if parent is not None:
-                parent.add_child(child)
+        for child in rows.children(b):
+            rows.drop_child(b, child)
+            if parent != NONE:
+                rows.add_child(parent, child)
             else:
                 self._root(child, True)
-        if parent is not None:
+        if parent != NONE:
             self._refile([parent], [])
         unneed = self.table.unneed
-        left: dict[Segment, int] = {}
-        dead = list(b.needs.dies(left))
+        left: dict[int, int] = {}
+        dead = list(segs.dies(rows.needs[b], left))
         for seg, n in left.items():
-            seg.refs = n
+            segs.refs[seg] = n
+        rows.free(b)
         for seg in reversed(dead):  # the chain's first first, as orphans are ordered
-            for key in seg.own():
+            for key in segs.own(seg):
                 if unneed(key) and key not in self.state_of:
                     self.watcher.orphaned(key, True)
+            segs.free(seg)
 
-    def _refile(self, changed: Sequence[Boundary], scored: Sequence[Boundary]) -> None:
+    def _refile(self, changed: Sequence[int], scored: Sequence[int]) -> None:
         if scored:
             self.watcher.scored(scored)
         for b in changed:
             self.watcher.file(b)
 
-    def _head(self, b: Boundary) -> bytes:
+    def _head(self, b: int) -> bytes:
         """The first key of its chain."""
-        seg = b.needs
-        while seg.up is not None:
-            seg = seg.up
-        return seg.keys[:KEY_WIDTH]
+        return self.segments.head(self.rows.needs[b])
 
-    def _root(self, b: Boundary, present: bool) -> None:
-        if b.needs is NO_NEEDS:
+    def _root(self, b: int, present: bool) -> None:
+        if self.rows.needs[b] == NO_NEEDS:
             return
         head = self._head(b)
+        roots, rows = self._roots, self.rows
         if present:
-            self._roots.setdefault(head, set()).add(b)
+            roots[head] = rows.link(roots.get(head, NONE), b)
             return
-        roots = self._roots[head]
-        roots.discard(b)
-        if not roots:
-            del self._roots[head]
+        first = rows.unlink(roots[head], b)
+        if first == NONE:
+            del roots[head]
+        else:
+            roots[head] = first
 
     def clear(self) -> None:
         self.state_of.clear()
         self.table.clear_needers()
         self._roots.clear()
+        self.rows.clear()
+        self.segments.clear()
         self.count = 0

@@ -11,13 +11,15 @@ The order (the policy's steps 3 and 4):
   rank.
 Ties go to the boundary admitted first, as a stable sort of them in admission order would.
 
-Each boundary is filed in one of four lists by rank (protected or not, dead or live),
-with two more by last use: the reused ones newest first, whose first `protected` are the
-protected ones (a change moves the boundaries at the edge of that prefix, not the rest),
-and the unprotected ones oldest first (the live ones newest first are its end). Dead
-and live are split at `cutoff`, which only moves at a choice (`sync`): the boundaries
-whose last use it crosses change lists. So a change costs O(log n) per boundary it moves
-and a choice O(log n) per boundary it looks at.
+Each boundary (a row of core/boundary_graph.py's `Boundaries`) is filed in one of four
+orders by rank (protected or not, dead or live), with two more by last use: the reused
+ones newest first, whose first `protected` are the protected ones (a change moves the
+boundaries at the edge of that prefix, not the rest), and the unprotected ones oldest
+first (the live ones newest first are its end). Dead and live are split at `cutoff`,
+which only moves at a choice (`sync`): the boundaries whose last use it crosses change
+orders. So a change costs O(log n) per boundary it moves and a choice O(log n) per
+boundary it looks at. The orders are `RowOrder`s (core/row_order.py): arrays, which the
+garbage collector does not walk item by item.
 """
 
 from __future__ import annotations
@@ -25,57 +27,59 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterator
-from operator import attrgetter
 
-from sortedcontainers import SortedKeyList
+from hybridkv.core.boundary_graph import Boundaries
+from hybridkv.core.row_order import RowOrder
 
-from hybridkv.core.boundary_graph import Boundary, by_recent, by_used
-
-_RANK = attrgetter("by_rank")
 # Offsets of a boundary's place within an order (its `place` is the order's base plus one).
 PROTECTED_LIVE, PROTECTED_DEAD, LIVE, DEAD = range(1, 5)
 
 
 class BoundaryOrder:
-    def __init__(self, base: int, room: float):
+    def __init__(self, rows: Boundaries, base: int, room: float):
+        self.rows = rows
         self.base = base  # places base+1 .. base+4 are this order's
         self.room = room  # bytes the protected ones may take
         self.cutoff = -math.inf  # dead: last used before it
-        self._recent = SortedKeyList(key=attrgetter("by_recent"))  # reused, newest first
+        self._recent = RowOrder()  # reused, newest first (keyed by -used)
         self._protected = 0  # the first this many of `_recent`
         self._protected_bytes = 0
-        self._rest = SortedKeyList(key=attrgetter("by_used"))  # unprotected, oldest first
-        self._ranked = {p: SortedKeyList(key=_RANK) for p in range(1, 5)}
+        self._rest = RowOrder()  # unprotected, oldest first (keyed by used)
+        self._ranked = {p: RowOrder() for p in range(1, 5)}  # keyed by rank
 
     def __len__(self) -> int:
         return sum(len(r) for r in self._ranked.values())
 
-    def owns(self, b: Boundary) -> bool:
-        return self.base < b.place <= self.base + 4
+    def owns(self, b: int) -> bool:
+        return self.base < self.rows.place[b] <= self.base + 4
 
     # ---- changes --------------------------------------------------------------------------
-    def add(self, b: Boundary) -> None:
-        if not b.reused:
+    def add(self, b: int) -> None:
+        rows = self.rows
+        if not rows.reused[b]:
             self._place(b, False)
             return
-        at = self._recent.bisect_key_left(b.by_recent)
-        self._recent.add(b)
+        key, seq = -rows.used[b], rows.seq[b]
+        at = self._recent.position(key, seq)
+        self._recent.add(key, seq, b)
         if at < self._protected:
             self._protected += 1
-            self._protected_bytes += b.own_bytes
+            self._protected_bytes += rows.own_bytes[b]
             self._place(b, True)
             self._shrink()
         else:
             self._place(b, False)
             self._grow()
 
-    def remove(self, b: Boundary) -> None:
-        if b.reused:
-            at = self._recent.index(b)
-            del self._recent[at]
+    def remove(self, b: int) -> None:
+        rows = self.rows
+        if rows.reused[b]:
+            key, seq = -rows.used[b], rows.seq[b]
+            at = self._recent.position(key, seq)
+            self._recent.remove(key, seq)
             if at < self._protected:
                 self._protected -= 1
-                self._protected_bytes -= b.own_bytes
+                self._protected_bytes -= rows.own_bytes[b]
             self._unplace(b)
             if at <= self._protected:
                 self._grow()
@@ -97,81 +101,85 @@ class BoundaryOrder:
         moves = {LIVE: DEAD, PROTECTED_LIVE: PROTECTED_DEAD}
         if not died:
             moves = {v: k for k, v in moves.items()}
-        # Every boundary last used in [lo, hi) and, in `_recent`, a few at hi: filtered
-        # below. Uses are whole ticks.
-        first = None if lo == -math.inf else math.ceil(lo)
-        top = math.ceil(hi)
+        # Every boundary last used in [lo, hi] (uses are whole ticks): filtered below.
         crossing = [
-            *self._rest.irange_key(None if first is None else by_used(first, 0), by_used(top, 0)),
-            *self._recent.irange_key(
-                by_recent(top, 0), None if first is None else by_recent(first - 1, 0)
-            ),
+            *self._rest.rows_between(lo, hi),
+            *self._recent.rows_between(-hi, -lo),
         ]
+        rows, base = self.rows, self.base
+        place, used, rank, seq = rows.place, rows.used, rows.rank, rows.seq
         for b in crossing:
-            off = b.place - self.base
-            if lo <= b.used < hi and off in moves:  # (an unprotected one is met twice)
-                self._ranked[off].remove(b)
-                b.place = self.base + moves[off]
-                self._ranked[moves[off]].add(b)
+            off = place[b] - base
+            if lo <= used[b] < hi and off in moves:  # (an unprotected one is met twice)
+                self._ranked[off].remove(rank[b], seq[b])
+                place[b] = base + moves[off]
+                self._ranked[moves[off]].add(rank[b], seq[b], b)
 
-    def _place(self, b: Boundary, protected: bool) -> None:
-        dead = b.used < self.cutoff
+    def _place(self, b: int, protected: bool) -> None:
+        rows = self.rows
+        dead = rows.used[b] < self.cutoff
         if protected:
             off = PROTECTED_DEAD if dead else PROTECTED_LIVE
         else:
             off = DEAD if dead else LIVE
-            self._rest.add(b)
-        b.place = self.base + off
-        self._ranked[off].add(b)
+            self._rest.add(rows.used[b], rows.seq[b], b)
+        rows.place[b] = self.base + off
+        self._ranked[off].add(rows.rank[b], rows.seq[b], b)
 
-    def _unplace(self, b: Boundary) -> None:
-        off = b.place - self.base
-        self._ranked[off].remove(b)
+    def _unplace(self, b: int) -> None:
+        rows = self.rows
+        off = rows.place[b] - self.base
+        self._ranked[off].remove(rows.rank[b], rows.seq[b])
         if off in (LIVE, DEAD):
-            self._rest.remove(b)
-        b.place = 0
+            self._rest.remove(rows.used[b], rows.seq[b])
+        rows.place[b] = 0
 
     def _shrink(self) -> None:
         while self._protected_bytes > self.room:
             self._protected -= 1
-            b = self._recent[self._protected]
-            self._protected_bytes -= b.own_bytes
+            b = self._recent.row_at(self._protected)
+            self._protected_bytes -= self.rows.own_bytes[b]
             self._unplace(b)
             self._place(b, False)
 
     def _grow(self) -> None:
         while self._protected < len(self._recent):
-            b = self._recent[self._protected]
-            if self._protected_bytes + b.own_bytes > self.room:
+            b = self._recent.row_at(self._protected)
+            if self._protected_bytes + self.rows.own_bytes[b] > self.room:
                 return
             self._unplace(b)
             self._protected += 1
-            self._protected_bytes += b.own_bytes
+            self._protected_bytes += self.rows.own_bytes[b]
             self._place(b, True)
 
     # ---- the order ------------------------------------------------------------------------
-    def order(self, looping: bool) -> Iterator[Boundary]:
+    def order(self, looping: bool) -> Iterator[int]:
         """From the first to evict to the last (the module docstring)."""
         r = self._ranked
         if not looping:
-            yield from heapq.merge(r[DEAD], r[LIVE], key=_RANK)
-            yield from heapq.merge(r[PROTECTED_DEAD], r[PROTECTED_LIVE], key=_RANK)
+            for _, _, b in heapq.merge(r[DEAD], r[LIVE]):
+                yield b
+            for _, _, b in heapq.merge(r[PROTECTED_DEAD], r[PROTECTED_LIVE]):
+                yield b
             return
-        yield from heapq.merge(r[DEAD], r[PROTECTED_DEAD], key=_RANK)
+        for _, _, b in heapq.merge(r[DEAD], r[PROTECTED_DEAD]):
+            yield b
         yield from self._live_newest_first()
-        yield from r[PROTECTED_LIVE]
+        yield from r[PROTECTED_LIVE].rows()
 
-    def _live_newest_first(self) -> Iterator[Boundary]:
+    def _live_newest_first(self) -> Iterator[int]:
         """The unprotected live ones, most recently used first (the first admitted first
         among those used at once)."""
-        ties: list[Boundary] = []
-        for b in reversed(self._rest):
-            if b.used < self.cutoff:
+        ties: list[int] = []
+        last = None
+        for used, b in self._rest.rows_reversed():
+            if used < self.cutoff:
                 break
-            if ties and b.used != ties[-1].used:
+            if ties and used != last:
                 yield from reversed(ties)
                 ties = []
             ties.append(b)
+            last = used
         yield from reversed(ties)
 
     def clear(self) -> None:

@@ -93,16 +93,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Protocol
 
-from sortedcontainers import SortedKeyList, SortedList
-
-from hybridkv.core.boundary_graph import Boundary, BoundaryGraph, Segment, by_recent, by_used
+from hybridkv.core.boundary_graph import BoundaryGraph
 from hybridkv.core.boundary_order import BoundaryOrder
 from hybridkv.core.ghosts import Ghosts
 from hybridkv.core.ledger import Ledger
 from hybridkv.core.recency import RecencyQueue
+from hybridkv.core.row_order import RowOrder
 
 # Leaf boundaries reused since admission keep up to this share of the budget ahead of the
 # others (segmented LRU's protected segment).
@@ -202,21 +200,22 @@ def _take(candidates: Iterable[bytes], needed: int, ledger: Ledger) -> tuple[lis
 
 class BoundaryPolicy:
     """The policy for layouts with recurrent groups (the module docstring). It watches
-    the boundary graph it keeps (`graph`) and the ledger, and files each boundary in one
-    of its orders: superseded ones by last use, leaves and branch points each in a
-    `BoundaryOrder`; orphans in a `RecencyQueue`."""
+    the boundary graph it keeps (`graph`) and the ledger, and files each boundary (a row
+    of the graph's `rows`) in one of its orders: superseded ones by last use, leaves and
+    branch points each in a `BoundaryOrder`; orphans in a `RecencyQueue`."""
 
     def __init__(self, ledger: Ledger, alpha: float):
         self.ledger = ledger
         self.alpha = alpha
         self.graph = BoundaryGraph(ledger, self)
+        self.rows = self.graph.rows
         self._orphans = RecencyQueue()
-        self._superseded = SortedKeyList(key=attrgetter("by_used"))
-        self._leaves = BoundaryOrder(_LEAVES, PROTECTED * ledger.capacity)
-        self._forks = BoundaryOrder(_FORKS, PROTECTED * ledger.capacity)
+        self._superseded = RowOrder()  # by last use
+        self._leaves = BoundaryOrder(self.rows, _LEAVES, PROTECTED * ledger.capacity)
+        self._forks = BoundaryOrder(self.rows, _FORKS, PROTECTED * ledger.capacity)
         # Every boundary, by last use and by efficiency: the scale a rank is taken at.
-        self._by_used = SortedKeyList(key=attrgetter("by_used"))
-        self._efficiencies = SortedList()
+        self._by_used = RowOrder()
+        self._efficiencies = RowOrder()
         self.ghosts = Ghosts()
         self.return_gap = 0.0  # running mean of returns' gaps, in ticks
         self.return_share = 0.0  # running share of the sampled admissions that are returns
@@ -262,12 +261,13 @@ class BoundaryPolicy:
     def hold(self, keys: list[bytes], held: bool) -> None:
         self._version += 1
         chunks = []  # not states: orphans, or chunks a boundary needs (nothing to do)
+        counts = self.rows.held
         for key, b in zip(keys, self.graph.state_of.get_many(keys, None), strict=True):
             if b is None:
                 chunks.append(key)
                 continue
             self.unfile(b)
-            b.held += 1 if held else -1
+            counts[b] += 1 if held else -1
             self.file(b)
         self._orphans.hold(chunks, held)
 
@@ -288,48 +288,52 @@ class BoundaryPolicy:
             self.return_gap += (gap - self.return_gap) / (16 if self.return_gap else 1)
 
     # ---- what the graph tells it (GraphWatcher) -------------------------------------------
-    def unfile(self, b: Boundary) -> None:
-        if b.place == _SUPERSEDED:
-            self._superseded.remove(b)
-            b.place = 0
+    def unfile(self, b: int) -> None:
+        rows = self.rows
+        if rows.place[b] == _SUPERSEDED:
+            self._superseded.remove(rows.used[b], rows.seq[b])
+            rows.place[b] = 0
         elif self._leaves.owns(b):
             self._leaves.remove(b)
         elif self._forks.owns(b):
             self._forks.remove(b)
 
-    def file(self, b: Boundary) -> None:
+    def file(self, b: int) -> None:
         self._version += 1
-        if b.held:
+        rows = self.rows
+        if rows.held[b]:
             return
-        kids = b.kids
+        kids = rows.kids[b]
         if kids == 1:
-            b.place = _SUPERSEDED
-            self._superseded.add(b)
+            rows.place[b] = _SUPERSEDED
+            self._superseded.add(rows.used[b], rows.seq[b], b)
         else:
             (self._leaves if kids == 0 else self._forks).add(b)
 
-    def scored(self, boundaries: Sequence[Boundary]) -> None:
+    def scored(self, boundaries: Sequence[int]) -> None:
         """Rank boundaries admitted, used or changed in cost now (the module docstring):
         the scale is taken once, after all of them moved."""
+        rows = self.rows
+        used, seq, ranked = rows.used, rows.seq, rows.ranked
+        used_ranked, efficiency = rows.used_ranked, rows.efficiency_ranked
         for b in boundaries:
-            if b.by_used:  # ranked before
-                self._by_used.remove(b)
-                self._efficiencies.remove(b.efficiency_ranked)
-            b.by_used = by_used(b.used, b.seq)
-            b.by_recent = by_recent(b.used, b.seq)
-            b.efficiency_ranked = b.efficiency
-            self._by_used.add(b)
-            self._efficiencies.add(b.efficiency_ranked)
-        span = max(self.graph.tick - self._by_used[0].used, 1)
-        best = self._efficiencies[-1]
+            if ranked[b]:
+                self._by_used.remove(used_ranked[b], seq[b])
+                self._efficiencies.remove(efficiency[b], seq[b])
+            ranked[b], used_ranked[b] = True, used[b]
+            efficiency[b] = rows.efficiency(b)
+            self._by_used.add(used[b], seq[b], b)
+            self._efficiencies.add(efficiency[b], seq[b], b)
+        span = max(self.graph.tick - self._by_used.first()[0], 1)
+        best = self._efficiencies.last()[0]
         scale = self.alpha * span / best if best > 0 else 0.0
         for b in boundaries:
-            b.rank = b.used + scale * b.efficiency_ranked
-            b.by_rank = (b.rank, b.seq)
+            rows.rank[b] = used[b] + scale * efficiency[b]
 
-    def removed(self, b: Boundary) -> None:
-        self._by_used.remove(b)
-        self._efficiencies.remove(b.efficiency_ranked)
+    def removed(self, b: int) -> None:
+        rows = self.rows
+        self._by_used.remove(rows.used_ranked[b], rows.seq[b])
+        self._efficiencies.remove(rows.efficiency_ranked[b], rows.seq[b])
 
     def orphaned(self, key: bytes, orphan: bool) -> None:
         if orphan:
@@ -361,7 +365,7 @@ class BoundaryPolicy:
         self.ghosts.remember(last_use, len(ledger.sizes))
         return choice
 
-    def _order(self) -> Iterator[tuple[bool, Boundary]]:
+    def _order(self) -> Iterator[tuple[bool, int]]:
         looping = self.looping
         if looping:
             # Only the looping order splits dead from live (core/boundary_order.py), and
@@ -370,7 +374,7 @@ class BoundaryPolicy:
             cutoff = self.graph.tick - LIVE_GAPS * self.return_gap
             self._leaves.sync(cutoff)
             self._forks.sync(cutoff)
-        for b in self._superseded:
+        for b in self._superseded.rows():
             yield True, b
         for b in self._leaves.order(looping):
             yield False, b
@@ -380,9 +384,10 @@ class BoundaryPolicy:
     def _take_boundaries(self, choice: Choice, needed: int, last_use: dict[bytes, int]) -> int:
         """Add boundaries to `choice` until `needed` more bytes are freed; how many were."""
         ledger, needers = self.ledger, self.graph.needers
+        rows, segs = self.rows, self.graph.segments
         sizes = ledger.sizes
         left: dict[bytes, int] = {}  # needed chunk -> live segments holding it, after these
-        refs: dict[Segment, int] = {}  # segment -> references left, after these
+        refs: dict[int, int] = {}  # segment -> references left, after these
         freed = 0
         for superseded, b in self._order():
             if freed >= needed:
@@ -391,20 +396,20 @@ class BoundaryPolicy:
                 choice.superseded += 1
             else:
                 choice.boundaries += 1
-            for key in b.states:
+            for key in rows.state_keys(b):
                 choice.keys.append(key)
                 freed += sizes[key]
             # Only the segments no boundary left after this choice refers to free chunks
             # (core/boundary_graph.py): the chain's first first, as its needs run.
-            for seg in reversed(list(b.needs.dies(refs))):
-                for key in seg.own():
+            for seg in reversed(list(segs.dies(rows.needs[b], refs))):
+                for key in segs.own(seg):
                     if key in sizes and not ledger.held(key):
                         n = left.get(key, needers[key]) - 1
                         left[key] = n
                         if n == 0:
                             choice.keys.append(key)
                             freed += sizes[key]
-                            last_use[key] = b.used
+                            last_use[key] = rows.used[b]
         return freed
 
     def clear(self) -> None:

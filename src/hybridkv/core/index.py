@@ -172,7 +172,7 @@ class StoreIndex:
     def boundary_id(self, key: bytes) -> bytes | None:
         """The id of the boundary `key` is a state of, if its states are all in CPU memory."""
         b = self.graph.boundary(key) if self.graph is not None else None
-        return b.bid if b is not None else None
+        return self.graph.rows.bid(b) if b is not None else None
 
     def on_tier(self, key: bytes, tier: str) -> bool:
         """In a tier below CPU memory, as far as the index knows."""

@@ -1,0 +1,94 @@
+"""core/row_order.py against a sorted Python list: every operation the eviction orders
+use, under random adds and removals, with chunks small enough to split and merge often."""
+
+from __future__ import annotations
+
+import bisect
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.core import row_order
+from hybridkv.core.row_order import RowOrder
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "add", "add", "remove"]),
+            st.integers(-6, 6),  # a key: ties are common
+            st.integers(0, 10**6),  # picks what to remove, a position, a range
+        ),
+        max_size=300,
+    ),
+    load=st.sampled_from([1, 2, 4]),
+)
+def test_row_order_equals_a_sorted_list(ops, load):
+    old, row_order.LOAD = row_order.LOAD, load
+    try:
+        order, want = RowOrder(), []
+        seq = 0
+        for op, key, pick in ops:
+            if op == "add":
+                seq += 1
+                item = (key / 2, seq, pick)
+                assert order.position(item[0], seq) == bisect.bisect_left(want, item[:2] + (-1,))
+                order.add(*item)
+                bisect.insort(want, item)
+            elif want:
+                item = want.pop(pick % len(want))
+                order.remove(item[0], item[1])
+            assert len(order) == len(want) and bool(order) == bool(want)
+            assert list(order) == want
+            assert list(order.rows()) == [r for _, _, r in want]
+            assert list(order.rows_reversed()) == [(k, r) for k, _, r in reversed(want)]
+            if want:
+                assert order.first() == want[0] and order.last() == want[-1]
+                at = pick % len(want)
+                assert order.row_at(at) == want[at][2]
+                lo, hi = sorted((key / 2, (pick % 13 - 6) / 2))
+                assert order.rows_between(lo, hi) == [r for k, _, r in want if lo <= k <= hi]
+        for _, s, _ in want[:1]:
+            try:
+                order.remove(99.0, s)
+            except KeyError:
+                pass
+            else:
+                raise AssertionError("removing an absent item must raise")
+        order.clear()
+        assert not order and list(order) == []
+    finally:
+        row_order.LOAD = old
+
+
+def test_row_order_grows_and_shrinks_through_many_chunks():
+    """A seeded stream that fills the order well past many chunks, then empties most of
+    it (merging chunks), then fills again, checked against a sorted list."""
+    seed = 2711
+    print("seed", seed)
+    rng = random.Random(seed)
+    old, row_order.LOAD = row_order.LOAD, 4
+    try:
+        order, want, seq = RowOrder(), [], 0
+        for phase_adds in (0.9, 0.15, 0.7, 0.05):
+            for _ in range(600):
+                if want and rng.random() > phase_adds:
+                    item = want.pop(rng.randrange(len(want)))
+                    order.remove(item[0], item[1])
+                else:
+                    seq += 1
+                    item = (float(rng.randrange(40)), seq, rng.randrange(10**6))
+                    order.add(*item)
+                    bisect.insort(want, item)
+                if rng.random() < 0.1:
+                    assert list(order) == want
+                    if want:
+                        assert order.first() == want[0] and order.last() == want[-1]
+                        at = rng.randrange(len(want))
+                        assert order.row_at(at) == want[at][2]
+                        assert order.position(*want[at][:2]) == at
+            assert list(order) == want
+    finally:
+        row_order.LOAD = old
