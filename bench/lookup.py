@@ -46,7 +46,6 @@ import random
 import statistics
 import time
 import tracemalloc
-import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,6 +58,7 @@ from hybridkv.core.layout import GroupKind, GroupSpec, Layout
 from hybridkv.core.planner import EntryCopy, Planner
 from hybridkv.core.policy import CheckpointPolicy
 from hybridkv.core.probe import Probe
+from hybridkv.core.tracked import references_followed
 from hybridkv.vllm.metadata import KeyedCopy
 from hybridkv.vllm.scheduler_side import SchedulerSide
 
@@ -359,7 +359,7 @@ def serving(entries: int, steps: int, freeze: bool) -> dict[str, float]:
     out["references the collector follows"] = sum(follows.values())
     for name, n in sorted(follows.items(), key=lambda kv: -kv[1])[:4]:
         out[f"references the collector follows: from {name}"] = n
-    out["references the collector follows: from the index"] = owned_references(index)
+    out["references the collector follows: from the index"] = references_followed(index)
     gc.unfreeze()
     for name, times in (
         ("step", total),
@@ -371,24 +371,6 @@ def serving(entries: int, steps: int, freeze: bool) -> dict[str, float]:
         out[f"{name}: p99"] = times[int(len(times) * 0.99)]
         out[f"{name}: max"] = times[-1]
     return out
-
-
-def owned_references(root: object) -> int:
-    """References a collection follows from the tracked objects `root` reaches (itself
-    included) without passing through a class, a module or a function: what the index
-    itself costs a collection, apart from the requests in flight (vLLM's token lists)
-    and whatever else the process holds."""
-    seen: set[int] = set()
-    todo, total = [root], 0
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen or not gc.is_tracked(obj):
-            continue
-        seen.add(id(obj))
-        refs = gc.get_referents(obj)
-        total += len(refs)
-        todo += [r for r in refs if not isinstance(r, (type, types.ModuleType, Callable))]
-    return total
 
 
 def memory(entries: int) -> dict[str, float]:

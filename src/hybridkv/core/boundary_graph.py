@@ -36,7 +36,7 @@ so adding or dropping one is O(1) without a set per parent.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Protocol
 
 from hybridkv.core.keymap import KeyMap
@@ -309,12 +309,14 @@ class BoundaryGraph:
         if self.is_orphan(key):
             self.watcher.orphaned(key, True)
 
-    def left(self, key: bytes) -> None:
+    def left(self, key: bytes, leaving: Collection[bytes] = ()) -> None:
         """An entry left CPU memory (the ledger no longer has it): a boundary it is a
-        state of goes, and it is no orphan any more."""
+        state of goes, and it is no orphan any more. `leaving`: entries of the same
+        eviction, each `left` in turn: none is filed as an orphan meanwhile (a boundary
+        evicted whole would file its states and chunks, to take them out again)."""
         b = self.state_of.get(key)
         if b is not None:
-            self.forget(b)
+            self.forget(b, leaving)
         self.watcher.orphaned(key, False)
 
     # ---- uses -----------------------------------------------------------------------------
@@ -441,17 +443,18 @@ class BoundaryGraph:
             rows.add_child(b, o)  # b is new: it had none
         return adopted
 
-    def forget(self, b: int) -> None:
+    def forget(self, b: int, leaving: Collection[bytes] = ()) -> None:
         """Stop counting a boundary (one of its states left CPU memory); its other states,
-        and the chunks no other boundary needs, stay until evicted, as orphans. Its
-        children now follow its parent (the chain's previous boundary left)."""
+        and the chunks no other boundary needs, stay until evicted, as orphans (but those
+        in `leaving`, see `left`). Its children now follow its parent (the chain's
+        previous boundary left)."""
         rows, segs = self.rows, self.segments
         self.watcher.unfile(b)
         self.watcher.removed(b)
         self.count -= 1
         for key in rows.state_keys(b):
             del self.state_of[key]
-            if self.is_orphan(key):
+            if key not in leaving and self.is_orphan(key):
                 self.watcher.orphaned(key, True)
         parent = rows.parent[b]
         if parent != NONE:
@@ -475,7 +478,7 @@ class BoundaryGraph:
         rows.free(b)
         for seg in reversed(dead):  # the chain's first first, as orphans are ordered
             for key in segs.own(seg):
-                if unneed(key) and key not in self.state_of:
+                if unneed(key) and key not in self.state_of and key not in leaving:
                     self.watcher.orphaned(key, True)
             segs.free(seg)
 

@@ -91,7 +91,7 @@ hits at 6-8 MiB against utility alone; switching by the share of returns gained 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -138,8 +138,9 @@ class EvictionPolicy(Protocol):
     def touch(self, keys: Sequence[bytes]) -> None:
         """A hit (or vLLM's own) read these keys."""
 
-    def left(self, key: bytes) -> None:
-        """An entry left CPU memory (the ledger has forgotten it)."""
+    def left(self, key: bytes, leaving: Collection[bytes] = ()) -> None:
+        """An entry left CPU memory (the ledger has forgotten it); `leaving`: the
+        entries of the eviction it is one of, each told in turn."""
 
     def hold(self, keys: list[bytes], held: bool) -> None: ...
 
@@ -168,7 +169,7 @@ class LruPolicy:
         for key in keys:
             self._order.use(key)
 
-    def left(self, key: bytes) -> None:
+    def left(self, key: bytes, leaving: Collection[bytes] = ()) -> None:
         self._order.discard(key)
 
     def hold(self, keys: list[bytes], held: bool) -> None:
@@ -255,8 +256,8 @@ class BoundaryPolicy:
         for key in keys:
             self._orphans.use(key)
 
-    def left(self, key: bytes) -> None:
-        self.graph.left(key)
+    def left(self, key: bytes, leaving: Collection[bytes] = ()) -> None:
+        self.graph.left(key, leaving)
 
     def hold(self, keys: list[bytes], held: bool) -> None:
         self._version += 1

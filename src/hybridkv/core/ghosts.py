@@ -14,20 +14,29 @@ unsampled list would.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 GHOSTS_PER_ENTRY = 4
 GHOSTS_MIN = 1024
 SAMPLED_FROM = 16384
 
 
 class Ghosts:
+    """Oldest eviction out first. Three plain dicts of bytes and ints, not an
+    `OrderedDict`: CPython's garbage collector walks every key and value of an
+    `OrderedDict` in each full collection (on vLLM's scheduler thread), and never looks
+    inside a dict of bytes and ints (core/tracked.py). A key's *place* is its eviction's
+    number; the oldest place still held is found by counting up from the last one
+    dropped (each number is passed once)."""
+
     def __init__(self) -> None:
-        self._last_use: OrderedDict[bytes, int] = OrderedDict()  # oldest eviction first
+        self._place: dict[bytes, int] = {}  # key -> place
+        self._key: dict[int, bytes] = {}  # place -> key
+        self._used: dict[int, int] = {}  # place -> the key's last use
+        self._head = 0  # no place below it is held
+        self._tail = 0  # the next place
         self._mask = 0  # a key is sampled when hash(key) & mask == 0
 
     def __len__(self) -> int:
-        return len(self._last_use)
+        return len(self._place)
 
     def sampled(self, key: bytes) -> bool:
         return hash(key) & self._mask == 0
@@ -35,7 +44,11 @@ class Ghosts:
     def returned(self, key: bytes) -> int | None:
         """The last use of a remembered key stored again (it is forgotten), else None.
         Only for sampled keys."""
-        return self._last_use.pop(key, None)
+        place = self._place.pop(key, None)
+        if place is None:
+            return None
+        del self._key[place]
+        return self._used.pop(place)
 
     def remember(self, last_use: dict[bytes, int], entries: int) -> None:
         """Add evicted chunks (key -> last use); `entries`: in CPU memory now."""
@@ -44,14 +57,23 @@ class Ghosts:
         while cap // sample > SAMPLED_FROM:
             sample *= 2
         self._mask = sample - 1
-        ghosts = self._last_use
-        for key, used in last_use.items():
+        places, keys, used = self._place, self._key, self._used
+        for key, when in last_use.items():
             if hash(key) & self._mask == 0:
-                ghosts[key] = used
-                ghosts.move_to_end(key)
-        while len(ghosts) > cap // sample:
-            ghosts.popitem(last=False)
+                self.returned(key)  # remembered again: it moves to the end
+                places[key] = self._tail
+                keys[self._tail] = key
+                used[self._tail] = when
+                self._tail += 1
+        while len(places) > cap // sample:
+            while self._head not in keys:
+                self._head += 1
+            del places[keys.pop(self._head)], used[self._head]
+            self._head += 1
 
     def clear(self) -> None:
-        self._last_use.clear()
+        self._place.clear()
+        self._key.clear()
+        self._used.clear()
+        self._head = self._tail = 0
         self._mask = 0

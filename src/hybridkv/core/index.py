@@ -34,7 +34,7 @@ every running request, so no call passes over everything it holds: each costs O(
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -314,8 +314,9 @@ class StoreIndex:
         choice = self.policy.victims(nbytes - free)
         if choice is None:
             return False
+        leaving = set(choice.keys)
         for key in choice.keys:
-            self._drop_cpu(key)
+            self._drop_cpu(key, leaving)
             self._evict[key] = None
         self.stats.cpu_evictions += len(choice.keys)
         self.stats.evicted_orphans += choice.orphans
@@ -333,12 +334,13 @@ class StoreIndex:
         self.stats.cpu_evictions += len(victims)
         return len(victims)
 
-    def _drop_cpu(self, key: bytes) -> None:
+    def _drop_cpu(self, key: bytes, leaving: Collection[bytes] = ()) -> None:
+        """`leaving`: the eviction `key` is one of (`EvictionPolicy.left`)."""
         if self.listener is not None and self.in_cpu(key):
             self.listener.changed("cpu", key, False)
         self.ledger.remove(key)
         self._sources.pop(key, None)
-        self.policy.left(key)
+        self.policy.left(key, leaving)
 
     def delete(self, key: bytes) -> None:
         """Forget an entry worth nothing any more (a decode-time state its request staged,

@@ -9,49 +9,85 @@ entry met at the front is set aside once, with its place (`_held`), and comes ba
 place when it is released (`_ready`): everything set aside is older than everything still
 in the list, so the order is the same as the plain list's and each held entry costs O(1)
 per hold, not per choice.
+
+The order is a doubly linked list through arrays (`array.array` of slot numbers) with
+each key's slot in a plain dict, not an `OrderedDict`: CPython's garbage collector walks
+every key of an `OrderedDict` in each full collection, on vLLM's scheduler thread
+(`LruPolicy` holds every entry in CPU memory, a million in production), and never looks
+inside an array or a dict of bytes and ints (core/tracked.py).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from array import array
 from collections.abc import Callable, Iterator
 
 from sortedcontainers import SortedList
 
+END = 0  # the list's sentinel slot: its next is the oldest key, its previous the newest
+
 
 class RecencyQueue:
     def __init__(self) -> None:
-        self._order: OrderedDict[bytes, None] = OrderedDict()  # oldest first
+        self._slot: dict[bytes, int] = {}  # key -> its slot in the list
+        self._key: dict[int, bytes] = {}  # slot -> key
+        self._next = array("q", (END,))
+        self._prev = array("q", (END,))
+        self._free = array("q")  # slots to hand out again
         self._held: dict[bytes, int] = {}  # set aside from the front -> its place
         self._ready: SortedList = SortedList()  # (place, key) set aside, then released
         self._places = 0
 
     def __len__(self) -> int:
-        return len(self._order) + len(self._held)
+        return len(self._slot) + len(self._held)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._order or key in self._held
+        return key in self._slot or key in self._held
+
+    def _unlink(self, slot: int) -> None:
+        nxt, prv = self._next[slot], self._prev[slot]
+        self._next[prv], self._prev[nxt] = nxt, prv
+
+    def _append(self, slot: int) -> None:
+        last = self._prev[END]
+        self._next[last], self._prev[slot] = slot, last
+        self._next[slot], self._prev[END] = END, slot
 
     def add(self, key: bytes) -> None:
         """Add the key, or make it the most recently used."""
         if key in self._held:
             self.discard(key)
-        self._order[key] = None
-        self._order.move_to_end(key)
+        slot = self._slot.get(key)
+        if slot is not None:
+            self._unlink(slot)
+        elif self._free:
+            slot = self._free.pop()
+        else:
+            slot = len(self._next)
+            self._next.append(END)
+            self._prev.append(END)
+        self._slot[key] = slot
+        self._key[slot] = key
+        self._append(slot)
 
     def use(self, key: bytes) -> None:
         """Make the key the most recently used, if it is here."""
-        if key in self._order:
-            self._order.move_to_end(key)
-        elif key in self._held:
+        if key in self._slot or key in self._held:
             self.add(key)
 
     def discard(self, key: bytes) -> None:
-        if self._order.pop(key, 0) is None:
+        slot = self._slot.pop(key, None)
+        if slot is not None:
+            self._remove(slot)
             return
         place = self._held.pop(key, None)
         if place is not None:
             self._ready.discard((place, key))
+
+    def _remove(self, slot: int) -> None:
+        self._unlink(slot)
+        del self._key[slot]
+        self._free.append(slot)
 
     def hold(self, keys: list[bytes], held: bool) -> None:
         """The keys became held, or evictable again (set aside keys return to their place;
@@ -74,20 +110,24 @@ class RecencyQueue:
         point."""
         for _, key in self._ready:
             yield key
-        while self._order:
-            key = next(iter(self._order))
-            if held(key):
-                del self._order[key]
-                self._held[key] = self._places
-                self._places += 1
-                continue
-            break
-        for key in self._order:
-            if held(key):
-                continue  # behind an evictable one: set aside when it reaches the front
-            yield key
+        nxt, keys = self._next, self._key
+        while (slot := nxt[END]) != END and held(key := keys[slot]):
+            del self._slot[key]
+            self._remove(slot)
+            self._held[key] = self._places
+            self._places += 1
+        slot = nxt[END]
+        while slot != END:
+            key = keys[slot]
+            slot = nxt[slot]
+            if not held(key):  # a held one behind: set aside when it reaches the front
+                yield key
 
     def clear(self) -> None:
-        self._order.clear()
+        self._slot.clear()
+        self._key.clear()
+        self._next = array("q", (END,))
+        self._prev = array("q", (END,))
+        del self._free[:]
         self._held.clear()
         self._ready.clear()
