@@ -36,9 +36,6 @@ class RowOrder:
     def __len__(self) -> int:
         return self._len
 
-    def __bool__(self) -> bool:
-        return self._len > 0
-
     # ---- finding --------------------------------------------------------------------------
     @staticmethod
     def _bisect(keys: array, seqs: array, key: float, seq: int) -> int:
