@@ -3,6 +3,7 @@ tier's change journal the workers report it from."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import torch
@@ -180,3 +181,28 @@ def test_a_stale_index_is_rescanned_in_the_background(tmp_path):
     assert changes == [(k(5), True)]
     for tier in (disk, other):
         tier.close()
+
+
+def test_known_run_counts_the_keys_known_from_the_first():
+    """`known_run` against `known_in` asked key by key, for CPU memory alone, the disk
+    and a shared tier's hints, over seeded random placements."""
+    seed = 2727
+    print("seed", seed)
+    rng = random.Random(seed)
+    for _ in range(200):
+        index = StoreIndex(1 << 30, disk=True)
+        keys = [group_key(rng.randbytes(16), 0) for _ in range(rng.randrange(0, 12))]
+        disk, hinted = [], []
+        for key in keys:
+            place = rng.choice(("cpu", "cpu", "disk", "redis", "none"))
+            if place == "cpu":
+                index.admit(key, 8)
+            elif place == "disk":
+                disk.append((key, True))
+            elif place == "redis":
+                hinted.append(key)
+        index.apply(0, WorkerReport(listed=True, disk=disk))
+        index.hint("redis", hinted, time.monotonic() + 60)
+        for tier in (None, "disk", "redis"):
+            want = next((i for i, k in enumerate(keys) if not index.known_in(k, tier)), len(keys))
+            assert index.known_run(keys, tier) == want

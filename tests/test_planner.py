@@ -315,8 +315,12 @@ def test_find_hit_is_the_largest_restorable_boundary(case):
         assert c >= 0
         return c in sets[g]
 
+    def run(g, start, stop):  # as a caller answering many chunks at once would
+        return next((c - start for c in range(start, stop) if c not in sets[g]), stop - start)
+
     hit = p.find_hit(L, local, present)
     assert hit == oracle_hit(p, L, local, present)
+    assert p.find_hit(L, local, present, run) == hit
     assert hit == 0 or (hit % C == 0 and local < hit <= L - 1)
     if hit:
         for g in range(len(p.groups)):

@@ -1,5 +1,6 @@
-"""core/row_order.py against a sorted Python list: every operation the eviction orders
-use, under random adds and removals, with chunks small enough to split and merge often."""
+"""core/row_order.py against Python lists: RowOrder against a sorted list (every operation
+the eviction orders use, under random adds and removals, with chunks small enough to split
+and merge often), RowQueue against a list appended to."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.core import row_order
-from hybridkv.core.row_order import RowOrder
+from hybridkv.core.row_order import RowOrder, RowQueue
 
 
 @settings(max_examples=150, deadline=None)
@@ -92,3 +93,24 @@ def test_row_order_grows_and_shrinks_through_many_chunks():
             assert list(order) == want
     finally:
         row_order.LOAD = old
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=300))
+def test_row_queue_equals_a_list(ops):
+    """Rows appended (a row not in it) and removed (one in it), in any order: the first,
+    the length and the whole order stay those of a list, across clears."""
+    queue, want = RowQueue(), []
+    for i, (append, row) in enumerate(ops):
+        if append and row not in want:
+            queue.append(row)
+            want.append(row)
+        elif want:
+            queue.remove(want.pop(row % len(want)))
+        assert len(queue) == len(want)
+        assert queue.first() == (want[0] if want else -1)
+        assert list(queue.rows()) == want
+        if i == 150:
+            queue.clear()
+            want = []
+            assert queue.first() == -1 and list(queue.rows()) == []

@@ -293,6 +293,9 @@ class BoundaryGraph:
         # Boundaries without a parent, linked as siblings, by their chain's first key (a
         # junction adopts from these; with a parent, from its children).
         self._roots: dict[bytes, int] = {}
+        # Parents of boundaries an eviction forgot, refiled once at its end (`settle`):
+        # a chain's turns evicted together would each refile their shared parent.
+        self._unsettled: dict[int, None] = {}
         self._seq = 0
         self.count = 0
 
@@ -318,6 +321,13 @@ class BoundaryGraph:
         if b is not None:
             self.forget(b, leaving)
         self.watcher.orphaned(key, False)
+
+    def settle(self) -> None:
+        """The entries of one eviction have all `left`: file the parents their boundaries
+        left behind (in whatever order: an order's content does not depend on it)."""
+        if self._unsettled:
+            parents, self._unsettled = list(self._unsettled), {}
+            self._refile(parents, [])
 
     # ---- uses -----------------------------------------------------------------------------
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -451,6 +461,7 @@ class BoundaryGraph:
         rows, segs = self.rows, self.segments
         self.watcher.unfile(b)
         self.watcher.removed(b)
+        self._unsettled.pop(b, None)
         self.count -= 1
         for key in rows.state_keys(b):
             del self.state_of[key]
@@ -469,7 +480,10 @@ class BoundaryGraph:
             else:
                 self._root(child, True)
         if parent != NONE:
-            self._refile([parent], [])
+            if leaving:
+                self._unsettled[parent] = None
+            else:
+                self._refile([parent], [])
         unneed = self.table.unneed
         left: dict[int, int] = {}
         dead = list(segs.dies(rows.needs[b], left))
@@ -510,6 +524,7 @@ class BoundaryGraph:
         self.state_of.clear()
         self.table.clear_needers()
         self._roots.clear()
+        self._unsettled.clear()
         self.rows.clear()
         self.segments.clear()
         self.count = 0

@@ -100,7 +100,7 @@ from hybridkv.core.boundary_order import BoundaryOrder
 from hybridkv.core.ghosts import Ghosts
 from hybridkv.core.ledger import Ledger
 from hybridkv.core.recency import RecencyQueue
-from hybridkv.core.row_order import RowOrder
+from hybridkv.core.row_order import RowOrder, RowQueue
 
 # Leaf boundaries reused since admission keep up to this share of the budget ahead of the
 # others (segmented LRU's protected segment).
@@ -140,7 +140,10 @@ class EvictionPolicy(Protocol):
 
     def left(self, key: bytes, leaving: Collection[bytes] = ()) -> None:
         """An entry left CPU memory (the ledger has forgotten it); `leaving`: the
-        entries of the eviction it is one of, each told in turn."""
+        entries of the eviction it is one of, each told in turn, then `settle`."""
+
+    def settle(self) -> None:
+        """Every entry of an eviction has been told (`left`)."""
 
     def hold(self, keys: list[bytes], held: bool) -> None: ...
 
@@ -171,6 +174,9 @@ class LruPolicy:
 
     def left(self, key: bytes, leaving: Collection[bytes] = ()) -> None:
         self._order.discard(key)
+
+    def settle(self) -> None:
+        pass
 
     def hold(self, keys: list[bytes], held: bool) -> None:
         self._order.hold(keys, held)
@@ -214,8 +220,9 @@ class BoundaryPolicy:
         self._superseded = RowOrder()  # by last use
         self._leaves = BoundaryOrder(self.rows, _LEAVES, PROTECTED * ledger.capacity)
         self._forks = BoundaryOrder(self.rows, _FORKS, PROTECTED * ledger.capacity)
-        # Every boundary, by last use and by efficiency: the scale a rank is taken at.
-        self._by_used = RowOrder()
+        # Every boundary, by last use and by efficiency: the scale a rank is taken at. A
+        # use is the clock's latest tick, so the first is by last use in a plain queue.
+        self._by_use = RowQueue()
         self._efficiencies = RowOrder()
         self.ghosts = Ghosts()
         self.return_gap = 0.0  # running mean of returns' gaps, in ticks
@@ -258,6 +265,9 @@ class BoundaryPolicy:
 
     def left(self, key: bytes, leaving: Collection[bytes] = ()) -> None:
         self.graph.left(key, leaving)
+
+    def settle(self) -> None:
+        self.graph.settle()
 
     def hold(self, keys: list[bytes], held: bool) -> None:
         self._version += 1
@@ -317,15 +327,22 @@ class BoundaryPolicy:
         rows = self.rows
         used, seq, ranked = rows.used, rows.seq, rows.ranked
         used_ranked, efficiency = rows.used_ranked, rows.efficiency_ranked
+        by_use, efficiencies = self._by_use, self._efficiencies
         for b in boundaries:
-            if ranked[b]:
-                self._by_used.remove(used_ranked[b], seq[b])
-                self._efficiencies.remove(efficiency[b], seq[b])
-            ranked[b], used_ranked[b] = True, used[b]
-            efficiency[b] = rows.efficiency(b)
-            self._by_used.add(used[b], seq[b], b)
-            self._efficiencies.add(efficiency[b], seq[b], b)
-        span = max(self.graph.tick - self._by_used.first()[0], 1)
+            now = rows.efficiency(b)
+            if not ranked[b]:
+                ranked[b] = True
+                by_use.append(b)
+                efficiencies.add(now, seq[b], b)
+            else:
+                if used_ranked[b] != used[b]:  # used now: the latest tick, the queue's end
+                    by_use.remove(b)
+                    by_use.append(b)
+                if efficiency[b] != now:
+                    efficiencies.remove(efficiency[b], seq[b])
+                    efficiencies.add(now, seq[b], b)
+            used_ranked[b], efficiency[b] = used[b], now
+        span = max(self.graph.tick - used_ranked[by_use.first()], 1)
         best = self._efficiencies.last()[0]
         scale = self.alpha * span / best if best > 0 else 0.0
         for b in boundaries:
@@ -333,7 +350,7 @@ class BoundaryPolicy:
 
     def removed(self, b: int) -> None:
         rows = self.rows
-        self._by_used.remove(rows.used_ranked[b], rows.seq[b])
+        self._by_use.remove(b)
         self._efficiencies.remove(rows.efficiency_ranked[b], rows.seq[b])
 
     def orphaned(self, key: bytes, orphan: bool) -> None:
@@ -419,7 +436,7 @@ class BoundaryPolicy:
         self._superseded.clear()
         self._leaves.clear()
         self._forks.clear()
-        self._by_used.clear()
+        self._by_use.clear()
         self._efficiencies.clear()
         self.ghosts.clear()
         self.return_gap = self.return_share = 0.0

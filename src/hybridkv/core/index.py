@@ -166,6 +166,18 @@ class StoreIndex:
     def promoting(self, key: bytes) -> bool:
         return key in self.ledger.promoting
 
+    def any_promoting(self, keys: Iterable[bytes]) -> bool:
+        promoting = self.ledger.promoting
+        return bool(promoting) and any(key in promoting for key in keys)
+
+    def not_ready(self, keys: list[bytes]) -> list[bytes]:
+        """Of `keys`, in their order, those not `in_cpu` (absent, or being promoted): one
+        call for a hit's hundreds."""
+        promoting, sizes = self.ledger.promoting, self.ledger.sizes
+        if not promoting:
+            return sizes.missing(keys)
+        return [key for key in keys if key in promoting or key not in sizes]
+
     def on_disk(self, key: bytes) -> bool:
         return self.lower.on_disk(key)
 
@@ -211,6 +223,12 @@ class StoreIndex:
         if tier == "disk":
             return [key for key in keys if not self.lower.on_disk(key)]
         return self.lower.not_hinted(tier, keys)
+
+    def known_run(self, keys: list[bytes], tier: str | None) -> int:
+        """How many of `keys`, from the first, are `known_in` `tier` (None: CPU memory
+        alone): a lookup's run of chunks in one call. The keys are distinct (a chain's)."""
+        unknown = self.ledger.sizes.missing(keys) if tier is None else self.unknown_in(keys, tier)
+        return keys.index(unknown[0]) if unknown else len(keys)
 
     def hint(self, tier: str, keys: Iterable[bytes], until: float) -> None:
         """A probe found `keys` in a shared tier: trust it until `until` (monotonic)."""
@@ -314,11 +332,7 @@ class StoreIndex:
         choice = self.policy.victims(nbytes - free)
         if choice is None:
             return False
-        leaving = set(choice.keys)
-        for key in choice.keys:
-            self._drop_cpu(key, leaving)
-            self._evict[key] = None
-        self.stats.cpu_evictions += len(choice.keys)
+        self._evict_keys(choice.keys)
         self.stats.evicted_orphans += choice.orphans
         self.stats.evicted_superseded += choice.superseded
         self.stats.evicted_boundaries += choice.boundaries
@@ -328,11 +342,17 @@ class StoreIndex:
         """Evict every unpinned entry from CPU memory (what stays below is still found);
         how many."""
         victims = [key for key in self.ledger.sizes if not self.ledger.held(key)]
-        for key in victims:
-            self._drop_cpu(key)
-            self._evict[key] = None
-        self.stats.cpu_evictions += len(victims)
+        self._evict_keys(victims)
         return len(victims)
+
+    def _evict_keys(self, keys: list[bytes]) -> None:
+        """Drop `keys` from CPU memory as one eviction (`EvictionPolicy.left`)."""
+        leaving = set(keys)
+        for key in keys:
+            self._drop_cpu(key, leaving)
+            self._evict[key] = None
+        self.policy.settle()
+        self.stats.cpu_evictions += len(keys)
 
     def _drop_cpu(self, key: bytes, leaving: Collection[bytes] = ()) -> None:
         """`leaving`: the eviction `key` is one of (`EvictionPolicy.left`)."""

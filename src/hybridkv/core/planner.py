@@ -111,11 +111,16 @@ class Planner:
         num_prompt_tokens: int,
         local_tokens: int,
         present: Callable[[int, int], bool],
+        run: Callable[[int, int, int], int] | None = None,
     ) -> int:
         """The largest chunk boundary (in tokens) every group can be restored to, else 0.
 
-        `present(g, chunk)` says whether group g's entry for `chunk` is stored. Only
-        boundaries beyond the local hit count: the result is 0 or > `local_tokens`.
+        `present(g, chunk)` says whether group g's entry for `chunk` is stored. `run(g,
+        start, stop)`, if given, how many chunks from `start` on (before `stop`) group g
+        has stored without a gap, as `present` would say chunk by chunk: a caller that
+        answers for many keys at once (the scheduler side, a 24k-token prompt's 96
+        chunks) finds a full-attention run in one call. Only boundaries beyond the local
+        hit count: the result is 0 or > `local_tokens`.
         """
         C = self.chunk_tokens
         k_max = self.max_hit_chunks(num_prompt_tokens)
@@ -126,6 +131,9 @@ class Planner:
         start = local_tokens // C
         for g, spec in enumerate(self.groups):
             if spec.kind is GroupKind.FULL:
+                if run is not None:
+                    k_max = start + run(g, start, k_max)
+                    continue
                 k = start
                 while k < k_max and present(g, k):
                     k += 1

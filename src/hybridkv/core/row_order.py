@@ -11,6 +11,10 @@ sortedcontainers' (sorted chunks of at most 2 * LOAD items, and each chunk's las
 the outer bisection), so a change costs O(log n) plus a memmove of one chunk.
 
 An item is (key, seq, row); (key, seq) is unique: seq is a boundary's admission number.
+
+`RowQueue` keeps rows in the order they were appended, for an order whose every insertion
+goes at its end (every boundary by last use: a use is always the clock's latest tick), in
+O(1) per change instead of a bisection.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
+from itertools import repeat
 
 LOAD = 512
 
@@ -37,27 +42,32 @@ class RowOrder:
         return self._len
 
     # ---- finding --------------------------------------------------------------------------
-    @staticmethod
-    def _bisect(keys: array, seqs: array, key: float, seq: int) -> int:
-        """Where (key, seq) goes among sorted (keys, seqs): ties on the key by seq."""
-        at = bisect_left(keys, key)
-        if at < len(keys) and keys[at] == key and seqs[at] < seq:  # ties: rare for ranks
-            at = bisect_left(seqs, seq, at + 1, bisect_right(keys, key, at))
-        return at
-
     def _find(self, key: float, seq: int) -> tuple[int, int]:
-        """The chunk and the place in it of (key, seq), or where it would go."""
-        i = self._bisect(self._last_key, self._last_seq, key, seq)
-        if i == len(self._keys):
+        """The chunk and the place in it of (key, seq), or where it would go: a bisection
+        on the key, then on seq among the items tied on it (rare for ranks). Both
+        bisections written out: this runs at every change of every order."""
+        last_key = self._last_key
+        i = bisect_left(last_key, key)
+        if i < len(last_key) and last_key[i] == key and self._last_seq[i] < seq:
+            i = bisect_left(self._last_seq, seq, i + 1, bisect_right(last_key, key, i))
+        if i == len(last_key):
             i -= 1  # after every item: the last chunk's end
-        return i, self._bisect(self._keys[i], self._seqs[i], key, seq)
+        keys = self._keys[i]
+        at = bisect_left(keys, key)
+        if at < len(keys) and keys[at] == key and self._seqs[i][at] < seq:
+            at = bisect_left(self._seqs[i], seq, at + 1, bisect_right(keys, key, at))
+        return i, at
 
     def position(self, key: float, seq: int) -> int:
-        """How many items sort before (key, seq)."""
+        """How many items sort before (key, seq): the chunks' lengths summed from the
+        nearer end (no running counts to keep up at every change)."""
         if not self._len:
             return 0
         i, at = self._find(key, seq)
-        return sum(len(k) for k in self._keys[:i]) + at
+        keys = self._keys
+        if 2 * i <= len(keys):
+            return sum(map(len, keys[:i])) + at
+        return self._len - sum(map(len, keys[i:])) + at
 
     def row_at(self, position: int) -> int:
         for rows in self._rows:
@@ -161,3 +171,50 @@ class RowOrder:
                 break
             out.extend(rows[bisect_left(keys, lo) : bisect_right(keys, hi)])
         return out
+
+
+class RowQueue:
+    """Rows in the order they were appended, as a doubly linked list through arrays
+    indexed by row (slot 0 is the list's sentinel, row r is slot r + 1). The caller keeps
+    track of which rows are in it."""
+
+    __slots__ = ("_next", "_prev", "_len")
+
+    def __init__(self) -> None:
+        self._next = array("q", (0,))
+        self._prev = array("q", (0,))
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, row: int) -> None:
+        slot, nxt, prv = row + 1, self._next, self._prev
+        if slot >= len(nxt):
+            grow = slot + 1 - len(nxt)
+            nxt.extend(repeat(0, grow))
+            prv.extend(repeat(0, grow))
+        last = prv[0]
+        nxt[last], prv[slot], nxt[slot], prv[0] = slot, last, 0, slot
+        self._len += 1
+
+    def remove(self, row: int) -> None:
+        slot, nxt, prv = row + 1, self._next, self._prev
+        after, before = nxt[slot], prv[slot]
+        nxt[before], prv[after] = after, before
+        self._len -= 1
+
+    def first(self) -> int:
+        """The row appended earliest of those still in, or -1 if none is."""
+        return self._next[0] - 1
+
+    def rows(self) -> Iterator[int]:
+        slot, nxt = self._next[0], self._next
+        while slot:
+            yield slot - 1
+            slot = nxt[slot]
+
+    def clear(self) -> None:
+        del self._next[1:], self._prev[1:]
+        self._next[0] = self._prev[0] = 0
+        self._len = 0

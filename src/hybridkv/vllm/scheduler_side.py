@@ -238,7 +238,7 @@ class SchedulerSide:
             st.promoted_from is not None
             and st.waited_at == local_tokens
             and not overdue
-            and any(index.promoting(k) for k in st.pins)
+            and index.any_promoting(st.pins)
         ):
             # Still waiting for the same promotions: the rule would answer the same, and
             # re-running it for every waiting request in every step costs the scheduler
@@ -272,7 +272,8 @@ class SchedulerSide:
             # room for its promotions.
             index.pin(wanted)
             try:
-                blocked = [k for k in wanted if not self._ready_or_coming(k, overdue, tier)]
+                waits = index.not_ready(wanted)
+                blocked = [k for k in waits if not self._ready_or_coming(k, overdue, tier)]
             except Exception:
                 index.unpin(wanted)  # a lookup error is a miss: it must leave no pin
                 raise
@@ -282,7 +283,7 @@ class SchedulerSide:
                 continue
             index.unpin(st.pins)
             st.pins = wanted
-            if any(index.promoting(k) for k in wanted):
+            if index.any_promoting(wanted):
                 if st.waiting_since is None:
                     st.waiting_since = time.monotonic()
                 st.promoted_from, st.waited_at = tier, local_tokens
@@ -374,7 +375,15 @@ class SchedulerSide:
             key = group_key(keys[c], g)
             return key not in excluded and index.known_in(key, tier)
 
-        return self.planner.find_hit(num_prompt_tokens, local_tokens, present)
+        def run(g: int, start: int, stop: int) -> int:
+            suffix = group_key(b"", g)
+            wanted = [k + suffix for k in keys[start:stop]]
+            n = index.known_run(wanted, tier)
+            if excluded:
+                n = next((i for i, key in enumerate(wanted[:n]) if key in excluded), n)
+            return n
+
+        return self.planner.find_hit(num_prompt_tokens, local_tokens, present, run)
 
     def _ready_or_coming(self, key: bytes, overdue: bool, tier: str | None) -> bool:
         """In CPU memory, or promoted there from `tier` (started now if need be) while
@@ -399,11 +408,12 @@ class SchedulerSide:
         attention = self._full_groups
         if not attention:
             return served
-        reach = served // C
-        while reach < min(len(keys), cap):
-            if not all(self.index.known(group_key(keys[reach], g)) for g in attention):
-                break
-            reach += 1
+        first = served // C
+        chunks = keys[first : max(cap, first)]
+        suffixes = [group_key(b"", g) for g in attention]
+        wanted = [k + suffix for k in chunks for suffix in suffixes]
+        unknown = self.index.unknown(wanted)
+        reach = first + (wanted.index(unknown[0]) // len(attention) if unknown else len(chunks))
         return max(reach * C, served)
 
     def _count_lookup(
@@ -421,11 +431,11 @@ class SchedulerSide:
 
     def _wanted(self, keys: list[bytes], local: int, boundary: int) -> list[bytes]:
         """Every entry a hit at `boundary` reads."""
-        return [
-            group_key(keys[c], g)
-            for g in range(len(self.planner.groups))
-            for c in self.planner.needed_chunks(g, local, boundary)
-        ]
+        wanted: list[bytes] = []
+        for g in range(len(self.planner.groups)):
+            suffix = group_key(b"", g)
+            wanted += [keys[c] + suffix for c in self.planner.needed_chunks(g, local, boundary)]
+        return wanted
 
     def _entry_bytes(self, key: bytes) -> int:
         return self.planner.entry_bytes(split_group_key(key)[1])
