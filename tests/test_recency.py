@@ -1,6 +1,6 @@
-"""core/recency.py against a plain list in recency order: adds, uses, discards, holds and
-choices that stop part way, on random histories. A held key is never a candidate, and
-the candidates are the unheld keys, least recently used first."""
+"""core/recency.py against a plain list in recency order: adds, uses (one or many),
+discards, holds and choices that stop part way, on random histories. A held key is
+never a candidate, and the candidates are the unheld keys, least recently used first."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from hybridkv.core.recency import RecencyQueue
 @given(
     ops=st.lists(
         st.tuples(
-            st.sampled_from(["add", "add", "use", "discard", "hold", "release", "choose"]),
+            st.sampled_from(
+                ["add", "add", "use", "use_all", "discard", "hold", "release", "choose"]
+            ),
             st.integers(0, 15),  # a key, or how many candidates a choice takes
         ),
         max_size=120,
@@ -31,6 +33,13 @@ def test_recency_queue_equals_a_list(ops):
             queue.add(key) if op == "add" else queue.use(key)
         elif op == "use":
             queue.use(key)  # not here: nothing happens
+        elif op == "use_all":  # keys n, n + 1, n + 2 (in order; those here move)
+            keys = [bytes([n + i]) for i in range(3)]
+            for k in keys:
+                if k in order:
+                    order.remove(k)
+                    order.append(k)
+            queue.use_all(keys)
         elif op == "discard":
             if key in order:
                 order.remove(key)

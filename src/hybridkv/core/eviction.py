@@ -169,8 +169,7 @@ class LruPolicy:
         self._order.use(key)
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self._order.use(key)
+        self._order.use_all(keys)
 
     def left(self, key: bytes, leaving: Collection[bytes] = ()) -> None:
         self._order.discard(key)
@@ -260,8 +259,7 @@ class BoundaryPolicy:
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self.graph.touch(keys)
-        for key in keys:
-            self._orphans.use(key)
+        self._orphans.use_all(keys)
 
     def left(self, key: bytes, leaving: Collection[bytes] = ()) -> None:
         self.graph.left(key, leaving)

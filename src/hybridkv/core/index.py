@@ -186,6 +186,17 @@ class StoreIndex:
         b = self.graph.boundary(key) if self.graph is not None else None
         return self.graph.rows.bid(b) if b is not None else None
 
+    def nearest_boundary(self, keys: list[bytes]) -> tuple[int, bytes] | None:
+        """The first of `keys` that is a state of a boundary in CPU memory, as its place
+        in `keys` and the boundary's id (`boundary_id`); None if none is. One call for
+        a chain's chunks, nearest first."""
+        if self.graph is None:
+            return None
+        for i, b in enumerate(self.graph.state_of.get_many(keys, None)):
+            if b is not None:
+                return i, self.graph.rows.bid(b)
+        return None
+
     def on_tier(self, key: bytes, tier: str) -> bool:
         """In a tier below CPU memory, as far as the index knows."""
         if tier == "disk":
@@ -247,7 +258,7 @@ class StoreIndex:
 
     # ---- CPU memory -------------------------------------------------------------------------
     def touch(self, keys: Iterable[bytes]) -> None:
-        self.policy.touch([key for key in keys if key in self.ledger.sizes])
+        self.policy.touch(self.ledger.sizes.present(keys))
 
     def admit_boundary(
         self,

@@ -20,7 +20,7 @@ inside an array or a dict of bytes and ints (core/tracked.py).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from sortedcontainers import SortedList
 
@@ -72,8 +72,15 @@ class RecencyQueue:
 
     def use(self, key: bytes) -> None:
         """Make the key the most recently used, if it is here."""
-        if key in self._slot or key in self._held:
-            self.add(key)
+        self.use_all((key,))
+
+    def use_all(self, keys: Iterable[bytes]) -> None:
+        """`use` of each key, in order: one call for a hit's hundreds, most of which (the
+        chunks boundaries need) are not here."""
+        slots, held = self._slot, self._held
+        for key in keys:
+            if key in slots or key in held:
+                self.add(key)
 
     def discard(self, key: bytes) -> None:
         slot = self._slot.pop(key, None)

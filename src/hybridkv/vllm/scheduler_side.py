@@ -801,19 +801,15 @@ class SchedulerSide:
         that boundary (its parent)."""
         C = self.planner.chunk_tokens
         attention = self._attention_groups
-        needs = [
-            group_key(keys[c], g)
-            for g in attention
-            for c in self.planner.needed_chunks(g, 0, boundary)
-        ]
-        previous, parent = next(
-            (
-                (c + 1, bid)
-                for c in range(boundary // C - 2, -1, -1)
-                if (bid := self.index.boundary_id(group_key(keys[c], self._state_groups[0])))
-            ),
-            (0, None),
-        )
+        needs: list[bytes] = []
+        for g in attention:
+            suffix = group_key(b"", g)
+            needs += [keys[c] + suffix for c in self.planner.needed_chunks(g, 0, boundary)]
+        # The chain's previous boundary: the nearest chunk before this one whose state
+        # begins a boundary in CPU memory.
+        suffix, last = group_key(b"", self._state_groups[0]), boundary // C - 2
+        found = self.index.nearest_boundary([keys[c] + suffix for c in range(last, -1, -1)])
+        previous, parent = (last - found[0] + 1, found[1]) if found else (0, None)
         own = sum(self.planner.entry_bytes(kc.copy.group) for kc in states)
         own += (boundary // C - previous) * sum(self.planner.entry_bytes(g) for g in attention)
         sizes = [(kc.key, self.planner.entry_bytes(kc.copy.group)) for kc in states]
