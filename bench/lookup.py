@@ -46,6 +46,7 @@ import random
 import statistics
 import time
 import tracemalloc
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 
@@ -119,10 +120,8 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
 def admission_cost(held: int, count: int) -> tuple[float, float, float]:
     """Seconds to admit one boundary (two chunks, three states) into a CPU budget
     holding `held` such boundaries on chains of two (one of each pair superseded): the
-    first admission that needs room, then the mean and longest of `count` more. Eviction
-    frees ahead (core/index.py), so most admissions find room and a few choose victims;
-    the first choice also drops every chunk stored since from the index's list of
-    possible orphans (they all belong to boundaries), once."""
+    first admission that needs room, then the mean and longest of `count` more, each of
+    which chooses its victims (an eviction frees what the admission needs, no more)."""
     per = 2 * ATTN_BYTES + 3 * STATE_BYTES
     index = StoreIndex(held * per, recurrent=True)
     n = 0
@@ -403,6 +402,42 @@ def memory(entries: int) -> dict[str, float]:
     return {"cpu_entries": n, "bytes": held, "bytes per entry": held / n}
 
 
+def lru_churn(entries: int, seed: int = 27) -> dict[str, float]:
+    """A layout without recurrent groups (`LruPolicy`): CPU memory filled with `entries`
+    chunks, then twice as many new ones admitted, each evicting the least recently used
+    (every tenth admission touching a random held entry, as a hit does; every hundredth
+    ending a step, which takes the index's orders). What matters
+    at a million entries is the longest admission: a dict of a million keys rebuilds its
+    table every few hundred thousand insertions, on the scheduler's thread."""
+    rng = random.Random(seed)
+    index = StoreIndex(entries * ATTN_BYTES)
+    held = [rng.randbytes(18) for _ in range(entries)]
+    for key in held:
+        index.admit(key, ATTN_BYTES)
+    gc.collect()
+    gc.freeze()  # the bench's own list of a million keys is not the index's to walk
+    times = array("d")
+    for i in range(2 * entries):
+        key = rng.randbytes(18)
+        t = time.perf_counter()
+        index.admit(key, ATTN_BYTES)
+        if i % 10 == 0:
+            index.touch([held[rng.randrange(entries)]])
+        if i % 100 == 99:
+            index.take_orders()  # a step's end
+        times.append(time.perf_counter() - t)
+        held[i % entries] = key
+    gc.unfreeze()
+    times = sorted(times)
+    return {
+        "admissions": len(times),
+        "p50 us": times[len(times) // 2] * 1e6,
+        "p99 us": times[int(len(times) * 0.99)] * 1e6,
+        "max ms": times[-1] * 1e3,
+        "over 1 ms": sum(t > 1e-3 for t in times),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-tokens", type=int, default=32768)
@@ -412,8 +447,19 @@ def main() -> None:
     p.add_argument("--serve-steps", type=int, default=20000)
     p.add_argument("--freeze", action="store_true", help="gc.freeze() once CPU memory is full")
     p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc runs")
+    p.add_argument(
+        "--lru-entries", type=int, nargs="*", default=[], help="LruPolicy churn (`lru_churn`)"
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "lookup.json")
     args = p.parse_args()
+    if args.lru_entries:
+        for entries in args.lru_entries:
+            fig = lru_churn(entries)
+            print(
+                f"LruPolicy, {entries} entries: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in fig.items())
+            )
+        return
     if args.serve_entries:
         serve(args)
         return

@@ -11,10 +11,13 @@ in the list, so the order is the same as the plain list's and each held entry co
 per hold, not per choice.
 
 The order is a doubly linked list through arrays (`array.array` of slot numbers) with
-each key's slot in a plain dict, not an `OrderedDict`: CPython's garbage collector walks
+each key's slot in plain dicts, not an `OrderedDict`: CPython's garbage collector walks
 every key of an `OrderedDict` in each full collection, on vLLM's scheduler thread
 (`LruPolicy` holds every entry in CPU memory, a million in production), and never looks
-inside an array or a dict of bytes and ints (core/tracked.py).
+inside an array or a dict of bytes and ints (core/tracked.py). Both maps (key to slot,
+slot to key) are split 64 ways (core/keymap.py): one dict of a million keys rebuilds its
+table every few hundred thousand insertions, 30-50 ms on the scheduler's thread
+(`bench/lookup.py --lru-entries`).
 """
 
 from __future__ import annotations
@@ -24,13 +27,18 @@ from collections.abc import Callable, Iterable, Iterator
 
 from sortedcontainers import SortedList
 
+from hybridkv.core.keymap import PARTS
+
 END = 0  # the list's sentinel slot: its next is the oldest key, its previous the newest
 
 
 class RecencyQueue:
     def __init__(self) -> None:
-        self._slot: dict[bytes, int] = {}  # key -> its slot in the list
-        self._key: dict[int, bytes] = {}  # slot -> key
+        # key -> its slot in the list, split by the key's first byte (as core/keymap.py
+        # splits: written out here, where every admission and eviction passes); slot ->
+        # key, split by the slot
+        self._slots: list[dict[bytes, int]] = [{} for _ in range(PARTS)]
+        self._keys: list[dict[int, bytes]] = [{} for _ in range(PARTS)]
         self._next = array("q", (END,))
         self._prev = array("q", (END,))
         self._free = array("q")  # slots to hand out again
@@ -39,10 +47,10 @@ class RecencyQueue:
         self._places = 0
 
     def __len__(self) -> int:
-        return len(self._slot) + len(self._held)
+        return sum(map(len, self._slots)) + len(self._held)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._slot or key in self._held
+        return key in self._slots[key[0] % PARTS] or key in self._held
 
     def _unlink(self, slot: int) -> None:
         nxt, prv = self._next[slot], self._prev[slot]
@@ -57,7 +65,8 @@ class RecencyQueue:
         """Add the key, or make it the most recently used."""
         if key in self._held:
             self.discard(key)
-        slot = self._slot.get(key)
+        part = self._slots[key[0] % PARTS]
+        slot = part.get(key)
         if slot is not None:
             self._unlink(slot)
         elif self._free:
@@ -66,8 +75,8 @@ class RecencyQueue:
             slot = len(self._next)
             self._next.append(END)
             self._prev.append(END)
-        self._slot[key] = slot
-        self._key[slot] = key
+        part[key] = slot
+        self._keys[slot % PARTS][slot] = key
         self._append(slot)
 
     def use(self, key: bytes) -> None:
@@ -77,13 +86,13 @@ class RecencyQueue:
     def use_all(self, keys: Iterable[bytes]) -> None:
         """`use` of each key, in order: one call for a hit's hundreds, most of which (the
         chunks boundaries need) are not here."""
-        slots, held = self._slot, self._held
+        slots, held = self._slots, self._held
         for key in keys:
-            if key in slots or key in held:
+            if key in slots[key[0] % PARTS] or key in held:
                 self.add(key)
 
     def discard(self, key: bytes) -> None:
-        slot = self._slot.pop(key, None)
+        slot = self._slots[key[0] % PARTS].pop(key, None)
         if slot is not None:
             self._remove(slot)
             return
@@ -93,7 +102,7 @@ class RecencyQueue:
 
     def _remove(self, slot: int) -> None:
         self._unlink(slot)
-        del self._key[slot]
+        del self._keys[slot % PARTS][slot]
         self._free.append(slot)
 
     def hold(self, keys: list[bytes], held: bool) -> None:
@@ -117,22 +126,22 @@ class RecencyQueue:
         point."""
         for _, key in self._ready:
             yield key
-        nxt, keys = self._next, self._key
-        while (slot := nxt[END]) != END and held(key := keys[slot]):
-            del self._slot[key]
+        nxt, keys = self._next, self._keys
+        while (slot := nxt[END]) != END and held(key := keys[slot % PARTS][slot]):
+            del self._slots[key[0] % PARTS][key]
             self._remove(slot)
             self._held[key] = self._places
             self._places += 1
         slot = nxt[END]
         while slot != END:
-            key = keys[slot]
+            key = keys[slot % PARTS][slot]
             slot = nxt[slot]
             if not held(key):  # a held one behind: set aside when it reaches the front
                 yield key
 
     def clear(self) -> None:
-        self._slot.clear()
-        self._key.clear()
+        for part in (*self._slots, *self._keys):
+            part.clear()
         self._next = array("q", (END,))
         self._prev = array("q", (END,))
         del self._free[:]
