@@ -167,6 +167,7 @@ class StoreIndex:
         return key in self.ledger.promoting
 
     def any_promoting(self, keys: Iterable[bytes]) -> bool:
+        """Whether any of `keys` is being promoted (none is, nearly always: one test)."""
         promoting = self.ledger.promoting
         return bool(promoting) and any(key in promoting for key in keys)
 

@@ -15,9 +15,10 @@ each key's slot in plain dicts, not an `OrderedDict`: CPython's garbage collecto
 every key of an `OrderedDict` in each full collection, on vLLM's scheduler thread
 (`LruPolicy` holds every entry in CPU memory, a million in production), and never looks
 inside an array or a dict of bytes and ints (core/tracked.py). Both maps (key to slot,
-slot to key) are split 64 ways (core/keymap.py): one dict of a million keys rebuilds its
-table every few hundred thousand insertions, 30-50 ms on the scheduler's thread
-(`bench/lookup.py --lru-entries`).
+slot to key) are split 64 ways (core/keymap.py): a dict of a million keys rebuilds its
+table every few hundred thousand insertions, on the scheduler's thread (admissions of
+116-121 ms at a million entries before the split, 3.7-5.0 ms after: `bench/lookup.py
+--lru-entries`, docs/benchmarks.md).
 """
 
 from __future__ import annotations

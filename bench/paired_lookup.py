@@ -1,0 +1,93 @@
+"""bench/lookup.py's serving stream, "before" and "after" in one process, their steps
+interleaved, so that both see the same machine.
+
+Why: on the 2-vCPU VM the speed of one run drifts by up to 1.5x within minutes, and two
+runs side by side on its two cores by as much (docs/benchmarks.md), which buries a change
+of 10 % either way. Here the "before" source tree is copied under another package name
+(`hybridkv_before`, its imports rewritten), both streams are built and filled, then each
+timed step of one is followed by the same step of the other (alternating which goes
+first). The streams are the same seeded serving stream, so both make the same decisions
+unless the change altered them (the evictions and hit tokens printed say).
+
+    .venv/bin/python bench/paired_lookup.py --before /tmp/base/src --entries 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+
+
+def before_tree(src: Path, into: Path) -> None:
+    """`src`/hybridkv and its bench/lookup.py copied into `into` as `hybridkv_before` and
+    `lookup_before`, every import of hybridkv rewritten."""
+    shutil.copytree(src / "hybridkv", into / "hybridkv_before")
+    if not list((into / "hybridkv_before").glob("_rowcopy*.so")):  # a fresh worktree's
+        for built in (BENCH.parent / "src" / "hybridkv").glob("_rowcopy*.so"):
+            shutil.copy(built, into / "hybridkv_before")
+    shutil.copy(src.parent / "bench" / "lookup.py", into / "lookup_before.py")
+    pattern = re.compile(r"\bhybridkv(?=[. ])")
+    for path in [*(into / "hybridkv_before").rglob("*.py"), into / "lookup_before.py"]:
+        path.write_text(pattern.sub("hybridkv_before", path.read_text()))
+
+
+def percentiles(times: list[float]) -> tuple[float, float, float]:
+    """p50, p99 and max, in ms."""
+    times = sorted(times)
+    return times[len(times) // 2] * 1e3, times[int(len(times) * 0.99)] * 1e3, times[-1] * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--before", type=Path, required=True, help="the src directory of 'before'")
+    p.add_argument("--entries", type=int, default=100000)
+    p.add_argument("--steps", type=int, default=3000)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        before_tree(args.before.resolve(), Path(tmp))
+        sys.path[:0] = [tmp, str(BENCH)]
+        import lookup
+        import lookup_before
+
+        streams = {
+            "before": lookup_before.Serving(args.entries),
+            "after": lookup.Serving(args.entries),
+        }
+        gc.collect()
+        gc.freeze()  # as bench/lookup.py does: what start-up allocated is not walked
+        for stream in streams.values():
+            index = stream.side.index
+            while index.gauges()["cpu_bytes"] < 0.99 * index.capacity:
+                stream.step()
+        hits = {name: s.hit_tokens for name, s in streams.items()}
+        steps: dict[str, list[float]] = {name: [] for name in streams}
+        without: dict[str, list[float]] = {name: [] for name in streams}
+        names = list(streams)
+        for i in range(args.steps):
+            for name in names if i % 2 else names[::-1]:
+                secs, hashing = streams[name].step()
+                steps[name].append(secs)
+                without[name].append(secs - hashing)
+    print(f"{args.entries} entries, {args.steps} steps each, interleaved")
+    for name, stream in streams.items():
+        evictions = stream.side.index.stats.cpu_evictions
+        hit = (stream.hit_tokens - hits[name]) / args.steps
+        print(f"  {name:7} evictions {evictions}, hit tokens per step {hit:.1f}")
+    for label, times in (("step", steps), ("step without chain keys", without)):
+        b, a = percentiles(times["before"]), percentiles(times["after"])
+        shown = "  ".join(
+            f"{q} {x:.3f} -> {y:.3f} ms ({y / x:.2f})"
+            for q, x, y in zip(("p50", "p99", "max"), b, a, strict=True)
+        )
+        print(f"  {label:24} {shown}")
+
+
+if __name__ == "__main__":
+    main()
