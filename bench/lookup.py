@@ -406,9 +406,9 @@ def lru_churn(entries: int, seed: int = 27) -> dict[str, float]:
     """A layout without recurrent groups (`LruPolicy`): CPU memory filled with `entries`
     chunks, then twice as many new ones admitted, each evicting the least recently used
     (every tenth admission touching a random held entry, as a hit does; every hundredth
-    ending a step, which takes the index's orders). What matters
-    at a million entries is the longest admission: a dict of a million keys rebuilds its
-    table every few hundred thousand insertions, on the scheduler's thread."""
+    ending a step, which takes the index's orders). What matters at a million entries is
+    the longest admission: a dict of a million keys rebuilds its table every few hundred
+    thousand insertions, on the scheduler's thread."""
     rng = random.Random(seed)
     index = StoreIndex(entries * ATTN_BYTES)
     held = [rng.randbytes(18) for _ in range(entries)]
