@@ -1,6 +1,7 @@
-"""The one native part: row copies for the CPU tier (src/hybridkv/_rowcopy.c).
+"""The native parts: row copies for the CPU tier (src/hybridkv/_rowcopy.c) and the
+scheduler side's per-key table (src/hybridkv/_keytable.c).
 
-Plain C on the CPython API, no torch headers: it builds with any C compiler in seconds.
+Plain C on the CPython API, no torch headers: they build with any C compiler in seconds.
 Everything else about the package is in pyproject.toml.
 """
 
@@ -8,6 +9,7 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("hybridkv._rowcopy", ["src/hybridkv/_rowcopy.c"], extra_compile_args=["-O3"])
+        Extension(f"hybridkv.{name}", [f"src/hybridkv/{name}.c"], extra_compile_args=["-O3"])
+        for name in ("_rowcopy", "_keytable")
     ]
 )

@@ -27,8 +27,10 @@ takes the index's orders and applies the workers' reports of the promotions, as
 `build_meta` and `update_connector_output` do. The stream fills CPU memory first (not
 timed), then every scheduler-side call of each of `--serve-steps` steps is timed: p50, p99
 and max of a step, with and without the chain keys of new prompts (blake3 over the
-prompt, 0.7 ms for 24k tokens whatever the index holds, timed on their own), and one
-full collection of the garbage collector at the end (`serving`). Memory: a
+prompt, about 0.3 ms for 24k tokens whatever the index holds, timed on their own); for
+scale, the block hashes vLLM's engine core computes for the same new prompts on the same
+thread (`vllm_request_hashes`, timed apart); and one full collection of the garbage
+collector at the end (`serving`). Memory: a
 second run of the same fill under tracemalloc; what code of hybridkv and of
 sortedcontainers allocated and still holds, per entry in CPU memory. Run it against
 another source with `PYTHONPATH=<its src>` (the "before" of docs/benchmarks.md).
@@ -48,6 +50,7 @@ import time
 import tracemalloc
 from array import array
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +58,7 @@ from common import RESULTS
 
 from hybridkv.core.index import StoreIndex, WorkerReport
 from hybridkv.core.keys import chunk_keys, group_key
+from hybridkv.core.keytable import KeyTable
 from hybridkv.core.layout import GroupKind, GroupSpec, Layout
 from hybridkv.core.planner import EntryCopy, Planner
 from hybridkv.core.policy import CheckpointPolicy
@@ -78,6 +82,22 @@ def request(req_id: str, prompt: list[int]):
     from vllm.v1.request import Request
 
     return Request(req_id, prompt, SamplingParams(max_tokens=1), None)
+
+
+def vllm_request_hashes(prompt: list[int], block: int) -> object:
+    """What vLLM's engine core does for every new request on the thread the scheduler
+    side runs on: a `Request` with its block hashes (default `sha256`), blocks of
+    `block` tokens (vLLM hashes a hybrid model's prompt at the GCD of its groups' block
+    sizes: this layout's chunk; a model with attention alone at its block size, 16)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    sha256 = get_hash_fn_by_name("sha256")
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(block, sha256)
+    return Request("vllm", prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
 
 
 def side_with(capacity: int, disk: bool = False) -> SchedulerSide:
@@ -191,6 +211,7 @@ class Serving:
         self.n = 0
         self.hit_tokens = 0
         self.index_seconds = 0.0
+        self.vllm_seconds = 0.0  # the last step's `vllm_request_hashes` of its new prompts
 
     def _draw(self, n: int) -> np.ndarray:
         return self.tokens.integers(1, 150000, n, dtype=np.int32)
@@ -266,6 +287,10 @@ class Serving:
             side._keys(side._state(req), req.num_prompt_tokens)
         hashing = clock() - t0
         t0 = clock()
+        for req in new:  # for scale, not part of the step's time: vLLM's own, for each
+            vllm_request_hashes(req.prompt_token_ids, BLOCK)
+        self.vllm_seconds = clock() - t0
+        t0 = clock()
         waiting, self.waiting = self.waiting + new, []
         for req in waiting:
             hit = side.num_new_matched_tokens(req, 0)
@@ -323,11 +348,12 @@ def serving(entries: int, steps: int, freeze: bool) -> dict[str, float]:
     if freeze:
         gc.collect()
         gc.freeze()
-    total, without, hits = [], [], stream.hit_tokens
+    total, without, vllm, hits = [], [], [], stream.hit_tokens
     for _ in range(steps):
         secs, hashing = stream.step()
         total.append(secs)
         without.append(secs - hashing)
+        vllm.append(stream.vllm_seconds)
     gauges = index.gauges()
     out = {
         "fill_seconds": filled,
@@ -364,6 +390,7 @@ def serving(entries: int, steps: int, freeze: bool) -> dict[str, float]:
         ("step", total),
         ("step without chain keys", without),
         ("step, in the index", in_index),
+        ("step, for scale: vLLM's own hashes", vllm),
     ):
         times.sort()
         out[f"{name}: p50"] = times[len(times) // 2]
@@ -438,6 +465,49 @@ def lru_churn(entries: int, seed: int = 27) -> dict[str, float]:
     }
 
 
+def _dict_missing(table: dict[bytes, int], keys: list[bytes]) -> list[bytes]:
+    return [key for key in keys if key not in table]
+
+
+def cold_lookups(keys_held: int, asked: int = 300, trials: int = 31) -> dict[str, float]:
+    """Nanoseconds per key to ask a table holding `keys_held` random 18-byte keys about
+    `asked` of them (new key objects, as a lookup's concatenated keys are): "cold" after
+    64 MiB were written over the caches (as a step's keys, no recent step touched),
+    "warm" the same keys again at once; in one bulk call and one key at a time. A plain
+    dict against the index's `KeyTable` (core/keytable.py); medians of `trials`."""
+    rng = random.Random(keys_held)
+    keys = [rng.randbytes(18) for _ in range(keys_held)]
+    junk, zeros = bytearray(64 << 20), bytes(64 << 20)
+    out: dict[str, float] = {}
+    for name in ("dict", "KeyTable"):
+        table = {} if name == "dict" else KeyTable()
+        for key in keys:
+            table[key] = 1
+        bulk = partial(_dict_missing, table) if name == "dict" else table.missing
+        times: dict[str, list[float]] = {"cold bulk": [], "warm bulk": [], "cold one by one": []}
+        for _ in range(trials):
+            for case in times:
+                sample = [k[:9] + k[9:] for k in rng.sample(keys, asked)]
+                if case.startswith("cold"):
+                    junk[:] = zeros
+                else:
+                    bulk(sample)
+                t = time.perf_counter()
+                if case.endswith("bulk"):
+                    bulk(sample)
+                else:
+                    for key in sample:
+                        _ = key in table
+                times[case].append(time.perf_counter() - t)
+        for case, ts in times.items():
+            out[f"{name}, {case}"] = statistics.median(ts) / asked * 1e9
+    return out
+
+
+def print_figures(title: str, figures: dict[str, float], digits: int) -> None:
+    print(f"{title}: " + ", ".join(f"{k} {v:.{digits}f}" for k, v in figures.items()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-tokens", type=int, default=32768)
@@ -450,15 +520,16 @@ def main() -> None:
     p.add_argument(
         "--lru-entries", type=int, nargs="*", default=[], help="LruPolicy churn (`lru_churn`)"
     )
+    p.add_argument(
+        "--cold-lookups", type=int, nargs="*", default=[], help="ns per key asked (`cold_lookups`)"
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "lookup.json")
     args = p.parse_args()
-    if args.lru_entries:
+    if args.cold_lookups or args.lru_entries:
+        for held in args.cold_lookups:
+            print_figures(f"{held} keys held, ns per key asked", cold_lookups(held), 0)
         for entries in args.lru_entries:
-            fig = lru_churn(entries)
-            print(
-                f"LruPolicy, {entries} entries: "
-                + ", ".join(f"{k} {v:.1f}" for k, v in fig.items())
-            )
+            print_figures(f"LruPolicy, {entries} entries", lru_churn(entries), 1)
         return
     if args.serve_entries:
         serve(args)
@@ -479,6 +550,10 @@ def main() -> None:
     results["of which: chain keys (blake3)"] = timed(
         lambda: chunk_keys(side._state(hit).ctx.seed, prompt, BLOCK), args.repeats
     )
+    for block in (BLOCK, 16):
+        results[f"for scale: vLLM's own hashes, {block}-token blocks"] = timed(
+            lambda block=block: vllm_request_hashes(prompt, block), args.repeats
+        )
     store_prompt(side, hit, keys)
     assert side.num_new_matched_tokens(hit, 0) == side.policy.prompt_checkpoint(len(prompt))
     results["lookup, hit to the prompt's checkpoint"] = timed(
@@ -504,7 +579,9 @@ def main() -> None:
     print(f"scheduler side, {args.prompt_tokens}-token prompt ({chunks} chunks, 4 groups)")
     print(f"{'':46}{'total ms':>10}{'us/chunk':>10}")
     for name, secs in results.items():
-        per_chunk = f"{secs * 1e6 / chunks:10.1f}" if name.startswith(("lookup", "of")) else ""
+        per_chunk = ""
+        if name.startswith(("lookup", "of", "for")):
+            per_chunk = f"{secs * 1e6 / chunks:10.1f}"
         print(f"{name:46}{secs * 1e3:10.3f}{per_chunk}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
@@ -524,7 +601,7 @@ def serve(args: argparse.Namespace) -> None:
         print(f"{entries:>9} entries")
         for name, value in fig.items():
             shown = f"{value * 1e3:10.3f} ms" if name.startswith("step") else f"{value:13.1f}"
-            print(f"  {name:34}{shown}")
+            print(f"  {name:42}{shown}")
     out = args.json.with_name(args.json.stem + "-serving.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(

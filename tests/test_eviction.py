@@ -374,7 +374,7 @@ def test_budget_pins_and_whole_boundaries_hold_under_any_sequence(ops, capacity,
         # that extend it; each attention entry counts the live segments that hold it, so
         # it is needed exactly when a boundary needs it. Only live segments keep a row.
         live = {s for b in boundaries for s in segs.path(rows.needs[b]) if segs.keys[s]}
-        assert set(segs.keys) == live | {NO_NEEDS}
+        assert set(segs.keys.rows()) == live | {NO_NEEDS}
         ends = Counter(rows.needs[b] for b in boundaries)
         assert all(segs.refs[s] == ends[s] + sum(segs.up[t] == s for t in live) for s in live)
         assert {k: n for k, n in graph.needers.items() if n} == Counter(
@@ -383,7 +383,7 @@ def test_budget_pins_and_whole_boundaries_hold_under_any_sequence(ops, capacity,
         assert set(graph.needers) >= {k for b in boundaries for k in segs.all_keys(rows.needs[b])}
         # The shared table keeps a key only while it is in CPU memory or needed.
         table = index.ledger.table
-        assert sum(map(len, table.parts)) + len(table.away) == len(
+        assert len(table.slots) + len(table.away) == len(
             set(index.ledger.sizes) | set(graph.needers)
         )
         # The eviction order sees every orphan, and nothing else as one.

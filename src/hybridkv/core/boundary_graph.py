@@ -39,13 +39,46 @@ from array import array
 from collections.abc import Collection, Iterator, Sequence
 from typing import Protocol
 
-from hybridkv.core.keymap import KeyMap
 from hybridkv.core.keys import KEY_BYTES
+from hybridkv.core.keytable import PARTS, KeyTable
 from hybridkv.core.ledger import Ledger
 
 KEY_WIDTH = KEY_BYTES + 2  # a group key (core/keys.py)
 NONE = -1  # no row
 NO_NEEDS = 0  # the segment of a boundary that needs nothing
+
+
+class RowBytes:
+    """A byte string per row, in dicts split 64 ways by the row.
+
+    Not one dict: one whose keys come and go rebuilds its whole table every so often, on
+    the scheduler's thread (milliseconds at a million entries, core/keytable.py); split,
+    each rebuild costs a 64th. Not a list: the garbage collector follows every item of a
+    list in each full collection, and never looks inside a dict of ints and bytes."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self) -> None:
+        self._parts: list[dict[int, bytes]] = [{} for _ in range(PARTS)]
+
+    def __getitem__(self, row: int) -> bytes:
+        return self._parts[row & PARTS - 1][row]
+
+    def __setitem__(self, row: int, value: bytes) -> None:
+        self._parts[row & PARTS - 1][row] = value
+
+    def __delitem__(self, row: int) -> None:
+        del self._parts[row & PARTS - 1][row]
+
+    def __len__(self) -> int:
+        return sum(map(len, self._parts))
+
+    def rows(self) -> list[int]:
+        return [row for part in self._parts for row in part]
+
+    def clear(self) -> None:
+        for part in self._parts:
+            part.clear()
 
 
 class Rows:
@@ -87,7 +120,7 @@ class Segments(Rows):
 
     def __init__(self) -> None:
         super().__init__()
-        self.keys: dict[int, bytes] = {}  # its own keys, KEY_WIDTH bytes each, in order
+        self.keys = RowBytes()  # its own keys, KEY_WIDTH bytes each, in order
         self.clear()
 
     def new(self, keys: bytes, up: int) -> int:
@@ -183,7 +216,7 @@ class Boundaries(Rows):
 
     def __init__(self) -> None:
         super().__init__()
-        self.states: dict[int, bytes] = {}  # its states' keys, one per recurrent group
+        self.states = RowBytes()  # its states' keys, one per recurrent group
         self._width: dict[int, int] = {}  # a state key's length, when not KEY_WIDTH
 
     def new(
@@ -285,14 +318,14 @@ class BoundaryGraph:
         self.tick = 0  # logical clock of uses
         self.rows = Boundaries()
         self.segments = Segments()
-        self.state_of: KeyMap[int] = KeyMap()  # state key -> its boundary's row
+        self.state_of = KeyTable()  # state key -> its boundary's row
         # Attention entry -> live segments that hold it (needed while listed): the ledger's
         # table, whose slot for a key holds both.
         self.table = ledger.table
         self.needers = ledger.table.needers
         # Boundaries without a parent, linked as siblings, by their chain's first key (a
         # junction adopts from these; with a parent, from its children).
-        self._roots: dict[bytes, int] = {}
+        self._roots = KeyTable()  # chain head -> first root
         # Parents of boundaries an eviction forgot, refiled once at its end (`settle`):
         # a chain's turns evicted together would each refile their shared parent.
         self._unsettled: dict[int, None] = {}

@@ -2,22 +2,19 @@
 memory (the byte ledger's, core/ledger.py) and how many live boundary segments need it
 (the boundary graph's, core/boundary_graph.py).
 
-Why one table: the two were separate maps over the same keys, and a dict slot costs
-about 40 bytes per key (hash, key and value pointers, the index, the free share of the
-table), on top of the key itself. At a production tier's million entries that second
-slot per attention entry was a sixth of all the memory the index held (issue 27:
-"resident memory per entry, goal 200 bytes"). Here each key has one slot, split 64 ways
-as in core/keymap.py, whose value packs both counts into one small int:
+Why one table: the two were separate maps over the same keys, and at a production tier's
+million entries a second slot per attention entry was a sixth of all the memory the
+index held (issue 27: "resident memory per entry, goal 200 bytes"). Here each key has
+one 32-byte slot of a native `KeyTable` (core/keytable.py: the key kept in the slot, no
+Python object per key), whose value packs both counts:
 
     value = needers << SHIFT | size class
 
 The size class indexes the distinct entry sizes seen (a layout has one per group, so a
-handful), so the value stays below 257 for a key needed by up to 15 segments, and
-CPython's cached small ints mean no int object per entry. Sizes beyond the first 14
-distinct ones share class ODD and are kept per key in a side dict. The table holds
-exactly the keys in CPU memory, so "is it there", asked hundreds of times per lookup, is
-a plain dict membership test; the few keys needed but not in CPU memory (a needed chunk
-lost or deleted) keep their count in another side dict, `away`.
+handful); sizes beyond the first 14 distinct ones share class ODD and are kept per key
+in a side dict. The table holds exactly the keys in CPU memory, so "is it there", asked
+hundreds of times per lookup, is one membership test; the few keys needed but not in CPU
+memory (a needed chunk lost or deleted) keep their count in another side dict, `away`.
 
 `sizes` and `needers` are the two views, each a read-only mapping of the keys where its
 count is not 0, so the ledger and the graph read them as they read their own maps; the
@@ -29,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 
-from hybridkv.core.keymap import PARTS
+from hybridkv.core.keytable import KeyTable
 
 SHIFT = 4
 MASK = (1 << SHIFT) - 1
@@ -38,10 +35,10 @@ ODD = MASK  # the class of sizes past the first MASK - 1 distinct ones
 
 
 class EntryTable:
-    __slots__ = ("parts", "away", "odd", "classes", "_class_of", "sizes", "needers")
+    __slots__ = ("slots", "away", "odd", "classes", "_class_of", "sizes", "needers")
 
     def __init__(self) -> None:
-        self.parts: list[dict[bytes, int]] = [{} for _ in range(PARTS)]
+        self.slots = KeyTable()  # key -> needers << SHIFT | size class
         self.away: dict[bytes, int] = {}  # needed, not in CPU memory: key -> needers
         self.odd: dict[bytes, int] = {}  # key -> bytes, of class ODD
         self.classes: list[int] = [0]  # size class -> bytes (class 0 unused)
@@ -52,18 +49,18 @@ class EntryTable:
     # ---- the ledger's side ----------------------------------------------------------------
     def insert(self, key: bytes, nbytes: int) -> bool:
         """Count `key` in CPU memory with `nbytes`; False (nothing changed) if it was."""
-        part = self.parts[key[0] & PARTS - 1]
-        if key in part:
+        slots = self.slots
+        if key in slots:
             return False
         cls = self._class_of.get(nbytes) or self._new_class(nbytes)
         if cls == ODD:
             self.odd[key] = nbytes
-        part[key] = self.away.pop(key, 0) << SHIFT | cls
+        slots[key] = self.away.pop(key, 0) << SHIFT | cls
         return True
 
     def remove(self, key: bytes) -> int | None:
         """Take `key` out of CPU memory; its bytes, or None if it was not there."""
-        value = self.parts[key[0] & PARTS - 1].pop(key, None)
+        value = self.slots.pop(key, None)
         if value is None:
             return None
         if value >= ONE:
@@ -77,9 +74,9 @@ class EntryTable:
 
     def clear_sizes(self) -> None:
         """Take every key out of CPU memory (what is needed stays needed)."""
-        for part in self.parts:
-            self.away.update((key, value >> SHIFT) for key, value in part.items() if value >= ONE)
-            part.clear()
+        items = self.slots.items()
+        self.away.update((key, value >> SHIFT) for key, value in items if value >= ONE)
+        self.slots.clear()
         self.odd.clear()
 
     def _new_class(self, nbytes: int) -> int:
@@ -92,10 +89,10 @@ class EntryTable:
     # ---- the graph's side -----------------------------------------------------------------
     def need(self, key: bytes) -> bool:
         """One more live segment needs `key`; whether it is in CPU memory and none did."""
-        part = self.parts[key[0] & PARTS - 1]
-        value = part.get(key)
+        slots = self.slots
+        value = slots.get(key)
         if value is not None:
-            part[key] = value + ONE
+            slots[key] = value + ONE
             return value < ONE
         self.away[key] = self.away.get(key, 0) + 1
         return False
@@ -103,10 +100,10 @@ class EntryTable:
     def unneed(self, key: bytes) -> bool:
         """One live segment fewer needs `key` (one did); whether it is in CPU memory and
         none does now."""
-        part = self.parts[key[0] & PARTS - 1]
-        value = part.get(key)
+        slots = self.slots
+        value = slots.get(key)
         if value is not None:
-            part[key] = value = value - ONE
+            slots[key] = value = value - ONE
             return value < ONE
         n = self.away[key] - 1
         if n:
@@ -117,26 +114,26 @@ class EntryTable:
 
     def unneeded(self, key: bytes) -> bool:
         """In CPU memory, and no live segment needs it."""
-        value = self.parts[key[0] & PARTS - 1].get(key)
+        value = self.slots.get(key)
         return value is not None and value < ONE
 
     def clear_needers(self) -> None:
         """No segment needs anything any more (what is in CPU memory stays)."""
-        for part in self.parts:
-            for key, value in part.items():
-                if value >= ONE:
-                    part[key] = value & MASK
+        slots = self.slots
+        for key, value in slots.items():
+            if value >= ONE:
+                slots[key] = value & MASK
         self.away.clear()
 
 
 class _View(Mapping[bytes, int]):
     """One of the table's two read-only views."""
 
-    __slots__ = ("_t", "_parts")
+    __slots__ = ("_t", "_slots")
 
     def __init__(self, table: EntryTable):
         self._t = table
-        self._parts = table.parts
+        self._slots = table.slots
 
 
 class Sizes(_View):
@@ -145,36 +142,40 @@ class Sizes(_View):
     __slots__ = ()
 
     def __contains__(self, key: object) -> bool:
-        return key in self._parts[key[0] & PARTS - 1]  # type: ignore[index]
+        return key in self._slots
 
     def __getitem__(self, key: bytes) -> int:
-        return self._t.size(key, self._parts[key[0] & PARTS - 1][key])
+        return self._t.size(key, self._slots[key])
 
     def get(self, key: bytes, default=None):
-        value = self._parts[key[0] & PARTS - 1].get(key)
+        value = self._slots.get(key)
         return default if value is None else self._t.size(key, value)
 
     def __len__(self) -> int:
-        return sum(map(len, self._parts))
+        return len(self._slots)
 
     def __iter__(self) -> Iterator[bytes]:
-        for part in self._parts:
-            yield from part
+        return iter(self._slots)
 
     def missing(self, keys: Iterable[bytes]) -> list[bytes]:
         """The keys not in CPU memory, in their order: one call for a lookup's hundreds."""
-        parts = self._parts
-        return [key for key in keys if key not in parts[key[0] & PARTS - 1]]
+        return self._slots.missing(keys)
 
     def present(self, keys: Iterable[bytes]) -> list[bytes]:
         """The keys in CPU memory, in their order (`missing`'s complement)."""
-        parts = self._parts
-        return [key for key in keys if key in parts[key[0] & PARTS - 1]]
+        return self._slots.present(keys)
 
     def total(self, keys: Iterable[bytes]) -> int:
         """The bytes of `keys`, all in CPU memory: one call for a hit's hundreds."""
-        parts, size = self._parts, self._t.size
-        return sum(size(key, parts[key[0] & PARTS - 1][key]) for key in keys)
+        keys = list(keys)
+        values = self._slots.get_many(keys, None)
+        if None in values:
+            raise KeyError(keys[values.index(None)])
+        classes, odd = self._t.classes, self._t.odd
+        return sum(
+            odd[key] if value & MASK == ODD else classes[value & MASK]
+            for key, value in zip(keys, values, strict=True)
+        )
 
 
 class Needers(_View):
@@ -192,7 +193,7 @@ class Needers(_View):
         return n
 
     def get(self, key: bytes, default=0):
-        value = self._parts[key[0] & PARTS - 1].get(key)
+        value = self._slots.get(key)
         n = self._t.away.get(key, 0) if value is None else value >> SHIFT
         return n or default
 
@@ -200,6 +201,5 @@ class Needers(_View):
         return sum(1 for _ in self)
 
     def __iter__(self) -> Iterator[bytes]:
-        for part in self._parts:
-            yield from [key for key, value in part.items() if value >= ONE]
+        yield from [key for key, value in self._slots.items() if value >= ONE]
         yield from list(self._t.away)

@@ -34,12 +34,13 @@ every running request, so no call passes over everything it holds: each costs O(
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from hybridkv.core.boundary_graph import BoundaryGraph
 from hybridkv.core.eviction import BoundaryPolicy, EvictionPolicy, LruPolicy
+from hybridkv.core.keytable import first_found
 from hybridkv.core.ledger import Ledger
 from hybridkv.core.lower_tiers import LowerTiers
 
@@ -193,10 +194,14 @@ class StoreIndex:
         a chain's chunks, nearest first."""
         if self.graph is None:
             return None
-        for i, b in enumerate(self.graph.state_of.get_many(keys, None)):
-            if b is not None:
-                return i, self.graph.rows.bid(b)
-        return None
+        state_of = self.graph.state_of
+
+        def held(block: Sequence[bytes]) -> list[bytes]:
+            rows = state_of.get_many(block, None)
+            return [key for key, b in zip(block, rows, strict=True) if b is not None]
+
+        i = first_found(keys, held)
+        return (i, self.graph.rows.bid(state_of[keys[i]])) if i < len(keys) else None
 
     def on_tier(self, key: bytes, tier: str) -> bool:
         """In a tier below CPU memory, as far as the index knows."""
@@ -239,8 +244,9 @@ class StoreIndex:
     def known_run(self, keys: list[bytes], tier: str | None) -> int:
         """How many of `keys`, from the first, are `known_in` `tier` (None: CPU memory
         alone): a lookup's run of chunks in one call. The keys are distinct (a chain's)."""
-        unknown = self.ledger.sizes.missing(keys) if tier is None else self.unknown_in(keys, tier)
-        return keys.index(unknown[0]) if unknown else len(keys)
+        if tier is None:
+            return first_found(keys, self.ledger.sizes.missing)
+        return first_found(keys, lambda block: self.unknown_in(block, tier))
 
     def hint(self, tier: str, keys: Iterable[bytes], until: float) -> None:
         """A probe found `keys` in a shared tier: trust it until `until` (monotonic)."""

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from hybridkv.core.entry_table import EntryTable
+from hybridkv.core.keytable import KeyTable
 
 
 class HoldWatcher(Protocol):
@@ -36,7 +37,7 @@ class Ledger:
         self.sizes = self.table.sizes  # key -> bytes over all ranks
         self.used = 0
         self.held_bytes = 0  # of the entries in CPU memory that are pinned or promoting
-        self._pins: dict[bytes, int] = {}  # key -> pins (a key no longer pinned leaves)
+        self._pins = KeyTable()  # key -> pins (a key no longer pinned leaves)
         self.pinned = 0  # every pin, counted as often as it was taken
         self.promoting: dict[bytes, int] = {}  # key -> bitmask of the ranks that read it
         self.watcher: HoldWatcher | None = None

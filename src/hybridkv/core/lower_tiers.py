@@ -17,14 +17,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from hybridkv.core.keymap import KeyMap
+from hybridkv.core.keytable import KeyTable
 from hybridkv.core.lapsing import Lapsing
 
 
 class LowerTiers:
     def __init__(self, ranks: int):
         self.ranks = ranks
-        self._disk: KeyMap[int] = KeyMap()  # key -> bitmask of the ranks that reported it
+        self._disk = KeyTable()  # key -> bitmask of the ranks that reported it
         self.disk_entries = 0  # keys every rank reported
         self._hints: dict[str, Lapsing] = {}  # tier -> what a probe found there
 

@@ -10,15 +10,15 @@ place when it is released (`_ready`): everything set aside is older than everyth
 in the list, so the order is the same as the plain list's and each held entry costs O(1)
 per hold, not per choice.
 
-The order is a doubly linked list through arrays (`array.array` of slot numbers) with
-each key's slot in plain dicts, not an `OrderedDict`: CPython's garbage collector walks
-every key of an `OrderedDict` in each full collection, on vLLM's scheduler thread
-(`LruPolicy` holds every entry in CPU memory, a million in production), and never looks
-inside an array or a dict of bytes and ints (core/tracked.py). Both maps (key to slot,
-slot to key) are split 64 ways (core/keymap.py): a dict of a million keys rebuilds its
-table every few hundred thousand insertions, on the scheduler's thread (admissions of
-116-121 ms at a million entries before the split, 3.7-5.0 ms after: `bench/lookup.py
---lru-entries`, docs/benchmarks.md).
+The order is a doubly linked list through arrays (`array.array` of slot numbers), each
+key's slot in a native `KeyTable` (core/keytable.py) and each slot's key in a flat byte
+buffer, not an `OrderedDict`: CPython's garbage collector walks every key of an
+`OrderedDict` in each full collection, on vLLM's scheduler thread (`LruPolicy` holds
+every entry in CPU memory, a million in production), and never looks inside an array, a
+buffer or a `KeyTable`; a `KeyTable` grows a 64th at a time (admissions of 116-121 ms at
+a million entries with one dict per map, 3.7-5.0 ms with them split 64 ways: `bench/
+lookup.py --lru-entries`, docs/benchmarks.md) and its lookups of keys no recent step
+touched miss the cache less than a dict's.
 """
 
 from __future__ import annotations
@@ -28,18 +28,16 @@ from collections.abc import Callable, Iterable, Iterator
 
 from sortedcontainers import SortedList
 
-from hybridkv.core.keymap import PARTS
+from hybridkv.core.keytable import KeyTable
 
 END = 0  # the list's sentinel slot: its next is the oldest key, its previous the newest
+KEY_ROOM = 24  # a slot's bytes in the key buffer: the key's length, then the key
 
 
 class RecencyQueue:
     def __init__(self) -> None:
-        # key -> its slot in the list, split by the key's first byte (as core/keymap.py
-        # splits: written out here, where every admission and eviction passes); slot ->
-        # key, split by the slot
-        self._slots: list[dict[bytes, int]] = [{} for _ in range(PARTS)]
-        self._keys: list[dict[int, bytes]] = [{} for _ in range(PARTS)]
+        self._slots = KeyTable()  # key -> its slot in the list
+        self._keys = bytearray(KEY_ROOM)  # slot -> its key, at slot * KEY_ROOM
         self._next = array("q", (END,))
         self._prev = array("q", (END,))
         self._free = array("q")  # slots to hand out again
@@ -48,10 +46,10 @@ class RecencyQueue:
         self._places = 0
 
     def __len__(self) -> int:
-        return sum(map(len, self._slots)) + len(self._held)
+        return len(self._slots) + len(self._held)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._slots[key[0] % PARTS] or key in self._held
+        return key in self._slots or key in self._held
 
     def _unlink(self, slot: int) -> None:
         nxt, prv = self._next[slot], self._prev[slot]
@@ -66,19 +64,27 @@ class RecencyQueue:
         """Add the key, or make it the most recently used."""
         if key in self._held:
             self.discard(key)
-        part = self._slots[key[0] % PARTS]
-        slot = part.get(key)
+        slot = self._slots.get(key)
         if slot is not None:
             self._unlink(slot)
-        elif self._free:
-            slot = self._free.pop()
+            self._append(slot)
+            return
+        slot = self._free[-1] if self._free else len(self._next)
+        self._slots[key] = slot  # first: a key longer than a slot's room changes nothing
+        if self._free:
+            self._free.pop()
         else:
-            slot = len(self._next)
             self._next.append(END)
             self._prev.append(END)
-        part[key] = slot
-        self._keys[slot % PARTS][slot] = key
+            self._keys += bytes(KEY_ROOM)
+        at = slot * KEY_ROOM
+        self._keys[at] = len(key)
+        self._keys[at + 1 : at + 1 + len(key)] = key
         self._append(slot)
+
+    def _key(self, slot: int) -> bytes:
+        at = slot * KEY_ROOM
+        return bytes(self._keys[at + 1 : at + 1 + self._keys[at]])
 
     def use(self, key: bytes) -> None:
         """Make the key the most recently used, if it is here."""
@@ -87,13 +93,16 @@ class RecencyQueue:
     def use_all(self, keys: Iterable[bytes]) -> None:
         """`use` of each key, in order: one call for a hit's hundreds, most of which (the
         chunks boundaries need) are not here."""
-        slots, held = self._slots, self._held
+        held = self._held
+        if held:
+            keys = [key for key in keys if key in self._slots or key in held]
+        else:  # nothing set aside: one call finds the keys here
+            keys = self._slots.present(keys)
         for key in keys:
-            if key in slots[key[0] % PARTS] or key in held:
-                self.add(key)
+            self.add(key)
 
     def discard(self, key: bytes) -> None:
-        slot = self._slots[key[0] % PARTS].pop(key, None)
+        slot = self._slots.pop(key, None)
         if slot is not None:
             self._remove(slot)
             return
@@ -103,7 +112,6 @@ class RecencyQueue:
 
     def _remove(self, slot: int) -> None:
         self._unlink(slot)
-        del self._keys[slot % PARTS][slot]
         self._free.append(slot)
 
     def hold(self, keys: list[bytes], held: bool) -> None:
@@ -127,22 +135,22 @@ class RecencyQueue:
         point."""
         for _, key in self._ready:
             yield key
-        nxt, keys = self._next, self._keys
-        while (slot := nxt[END]) != END and held(key := keys[slot % PARTS][slot]):
-            del self._slots[key[0] % PARTS][key]
+        nxt, key_of = self._next, self._key
+        while (slot := nxt[END]) != END and held(key := key_of(slot)):
+            del self._slots[key]
             self._remove(slot)
             self._held[key] = self._places
             self._places += 1
         slot = nxt[END]
         while slot != END:
-            key = keys[slot % PARTS][slot]
+            key = key_of(slot)
             slot = nxt[slot]
             if not held(key):  # a held one behind: set aside when it reaches the front
                 yield key
 
     def clear(self) -> None:
-        for part in (*self._slots, *self._keys):
-            part.clear()
+        self._slots.clear()
+        self._keys = bytearray(KEY_ROOM)
         self._next = array("q", (END,))
         self._prev = array("q", (END,))
         del self._free[:]

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from hybridkv.core.index import StoreIndex, WorkerReport
 from hybridkv.core.keys import extend_chain, group_key, group_keys, split_group_key
+from hybridkv.core.keytable import first_found
 from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.metrics import Figures
 from hybridkv.core.planner import NULL_BLOCK, EntryCopy, Planner
@@ -412,8 +413,7 @@ class SchedulerSide:
         chunks = keys[first : max(cap, first)]
         suffixes = [group_key(b"", g) for g in attention]
         wanted = [k + suffix for k in chunks for suffix in suffixes]
-        unknown = self.index.unknown(wanted)
-        reach = first + (wanted.index(unknown[0]) // len(attention) if unknown else len(chunks))
+        reach = first + first_found(wanted, self.index.unknown) // len(attention)
         return max(reach * C, served)
 
     def _count_lookup(
