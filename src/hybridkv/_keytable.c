@@ -382,21 +382,22 @@ static PyObject *listing(KeyTable *t, int what) {
     PyObject *out = PyList_New(t->size);
     if (out == NULL)
         return NULL;
-    Py_ssize_t k = 0;
+    Py_ssize_t k = 0, n = PyList_GET_SIZE(out);
     for (int i = 0; i < PARTS; i++) {
         Part *p = &t->parts[i];
-        for (size_t j = 0; j <= p->mask; j++) {
-            Slot *s = &p->slots[j];
-            if (s->len == EMPTY)
+        for (size_t j = 0; j <= p->mask && k < n; j++) {
+            if (p->slots[j].len == EMPTY)
                 continue;
+            /* A copy first: making a tuple may run a collection, and so Python code. */
+            Slot s = p->slots[j];
             PyObject *item;
             if (what == VALUES) {
-                item = PyLong_FromLongLong(s->value);
+                item = PyLong_FromLongLong(s.value);
             } else if (what == KEYS) {
-                item = PyBytes_FromStringAndSize((const char *)s->key, s->len);
+                item = PyBytes_FromStringAndSize((const char *)s.key, s.len);
             } else {
-                item = Py_BuildValue("(y#L)", (const char *)s->key, (Py_ssize_t)s->len,
-                                     (long long)s->value);
+                item = Py_BuildValue("(y#L)", (const char *)s.key, (Py_ssize_t)s.len,
+                                     (long long)s.value);
             }
             if (item == NULL) {
                 Py_DECREF(out);
@@ -404,6 +405,10 @@ static PyObject *listing(KeyTable *t, int what) {
             }
             PyList_SET_ITEM(out, k++, item);
         }
+    }
+    if (k < n && PyList_SetSlice(out, k, n, NULL) < 0) { /* keys taken out meanwhile */
+        Py_DECREF(out);
+        return NULL;
     }
     return out;
 }
