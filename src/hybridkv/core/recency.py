@@ -15,10 +15,11 @@ key's slot in a native `KeyTable` (core/keytable.py) and each slot's key in a fl
 buffer, not an `OrderedDict`: CPython's garbage collector walks every key of an
 `OrderedDict` in each full collection, on vLLM's scheduler thread (`LruPolicy` holds
 every entry in CPU memory, a million in production), and never looks inside an array, a
-buffer or a `KeyTable`; a `KeyTable` grows a 64th at a time (admissions of 116-121 ms at
-a million entries with one dict per map, 3.7-5.0 ms with them split 64 ways: `bench/
-lookup.py --lru-entries`, docs/benchmarks.md) and its lookups of keys no recent step
-touched miss the cache less than a dict's.
+buffer or a `KeyTable`. A `KeyTable` never rebuilds while its keys come and go and grows
+a 64th at a time (the longest admission at a million entries: 116-121 ms with one dict
+per map, 3.7-5.0 ms with dicts split 64 ways, 1.0-2.2 ms now: `bench/lookup.py
+--lru-entries`, docs/benchmarks.md), and its lookups of keys no recent step touched miss
+the cache less than a dict's.
 """
 
 from __future__ import annotations
