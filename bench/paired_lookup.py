@@ -29,9 +29,14 @@ def before_tree(src: Path, into: Path) -> None:
     """`src`/hybridkv and its bench/lookup.py copied into `into` as `hybridkv_before` and
     `lookup_before`, every import of hybridkv rewritten."""
     shutil.copytree(src / "hybridkv", into / "hybridkv_before")
-    if not list((into / "hybridkv_before").glob("_rowcopy*.so")):  # a fresh worktree's
-        for built in (BENCH.parent / "src" / "hybridkv").glob("_rowcopy*.so"):
-            shutil.copy(built, into / "hybridkv_before")
+    # A fresh worktree has no native parts built: this tree's, where their sources match.
+    for built in (BENCH.parent / "src" / "hybridkv").glob("_*.so"):
+        name = built.name.split(".")[0]
+        copied = into / "hybridkv_before"
+        if (copied / f"{name}.c").exists() and not list(copied.glob(f"{name}.*.so")):
+            if (copied / f"{name}.c").read_bytes() != (built.parent / f"{name}.c").read_bytes():
+                raise SystemExit(f"{name}.c differs in --before: build it there first")
+            shutil.copy(built, copied)
     shutil.copy(src.parent / "bench" / "lookup.py", into / "lookup_before.py")
     pattern = re.compile(r"\bhybridkv(?=[. ])")
     for path in [*(into / "hybridkv_before").rglob("*.py"), into / "lookup_before.py"]:
