@@ -31,7 +31,7 @@ from common import (
 )
 
 from hybridkv.core.canonical import row_table
-from hybridkv.core.cuda_rows import PROGRAMS, copy_rows_cuda
+from hybridkv.core.cuda_rows import STORE_PROGRAMS, copy_rows_cuda
 
 
 def main() -> None:
@@ -45,7 +45,8 @@ def main() -> None:
         "--copy-programs",
         type=int,
         default=None,
-        help="programs a copy batch runs on (default: cuda_rows.PROGRAMS; 0: one per piece)",
+        help="programs a copy batch runs on (default: cuda_rows.STORE_PROGRAMS for stores, "
+        "LOAD_PROGRAMS for loads; 0: one per piece)",
     )
     p.add_argument("--json", type=Path, default=RESULTS / "gpu_copy.json")
     args = p.parse_args()
@@ -100,7 +101,7 @@ def main() -> None:
     ids = [c.block_ids for c in stores]
     table = row_table(engine.kv, 0, entries, [range(per)] * n, ids, to_engine=False)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    programs = PROGRAMS if args.copy_programs is None else args.copy_programs
+    programs = STORE_PROGRAMS if args.copy_programs is None else args.copy_programs
     copy_rows_cuda(table, dev, programs)
     start.record()
     for _ in range(args.repeats):

@@ -17,8 +17,9 @@ most). The designs, run in turn in every round (`common.interleaved`):
 - `dma`: the same bytes as one contiguous device-to-pinned `copy_` on a side stream the
   compute stream never waits for: the copy engines' floor, using no SMs, for telling
   what a copy costs the forward through the SMs it takes from what it costs anyway.
-`--loads` adds a load of the same size every step (on the load stream: no design waits
-for it). Each figure is the median seconds of `--steps` steps.
+`--loads` adds a load of the same size every step (on the load stream, on
+`cuda_rows.LOAD_PROGRAMS` programs in every design: no design waits for it).
+Each figure is the median seconds of `--steps` steps.
 
     python bench/gpu_forward_stall.py           # 64 MiB stored a step, ~11 ms forward on an H100
     python bench/gpu_forward_stall.py --loads
@@ -53,7 +54,7 @@ def main() -> None:
         type=int,
         nargs="+",
         help="programs a store batch runs on, one `hybridkv@N` design each (default: "
-        "cuda_rows.PROGRAMS; 0: one per piece)",
+        "cuda_rows.STORE_PROGRAMS; 0: one per piece)",
     )
     p.add_argument("--json", type=Path, default=RESULTS / "gpu_forward_stall.json")
     args = p.parse_args()
@@ -61,7 +62,7 @@ def main() -> None:
         print("gpu_forward_stall: no CUDA device here; nothing measured")
         sys.exit(0)
 
-    from hybridkv.core.cuda_rows import PROGRAMS  # Triton, which a CUDA build has
+    from hybridkv.core.cuda_rows import STORE_PROGRAMS  # Triton, which a CUDA build has
 
     fake = FakeCopies.make(
         args.page_bytes, args.layers, args.blocks_per_entry, args.entries, device="cuda"
@@ -70,7 +71,7 @@ def main() -> None:
     # One store engine per program count asked for, sharing the cache and pinned pool.
     engines = {
         f"hybridkv@{n}": CopyEngine(engine.kv, engine.pool, cuda_programs=n)
-        for n in args.copy_programs or [PROGRAMS]
+        for n in args.copy_programs or [STORE_PROGRAMS]
     }
     designs = ("none", *engines, "wait-per-store", "dma")
     stored_ids = torch.tensor(sorted({b for c in fake.stores for b in c.block_ids}), device="cuda")

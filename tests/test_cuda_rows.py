@@ -54,10 +54,17 @@ print("ok")
 
 def _interpreted(script: str, *args: str) -> None:
     """Run `script` in a new interpreter with Triton's interpreter on (it must be set
-    before Triton is imported); it prints "ok" when its checks hold."""
+    before Triton is imported); it prints "ok" when its checks hold. NumPy's warning for
+    an array taken as an int is an error there, as it is from NumPy 2.5 on: Triton 3.6's
+    interpreter, on the lent GPU machine, failed the kernel's old `range` over program
+    ids that way."""
     out = subprocess.run(
         [sys.executable, "-c", script, *args],
-        env=os.environ | {"TRITON_INTERPRET": "1"},
+        env=os.environ
+        | {
+            "TRITON_INTERPRET": "1",
+            "PYTHONWARNINGS": "error:Conversion of an array with ndim:DeprecationWarning",
+        },
         capture_output=True,
         text=True,
         timeout=300,

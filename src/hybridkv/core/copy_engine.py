@@ -67,7 +67,8 @@ class CopyEngine:
     def __init__(
         self, kv: CanonicalKV, pool: HostPool | None = None, cuda_programs: int | None = None
     ):
-        """`cuda_programs`: programs a CUDA batch runs on (`cuda_rows.PROGRAMS` if None)."""
+        """`cuda_programs`: programs every CUDA batch runs on (benchmarks sweep it); None:
+        `cuda_rows.STORE_PROGRAMS` for stores, `LOAD_PROGRAMS` for loads."""
         self.kv = kv
         self.device = kv.tensors[0].device if kv.tensors else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
@@ -78,10 +79,11 @@ class CopyEngine:
         self._loads = torch.cuda.Stream(self.device) if self.cuda else None
         if self.cuda:
             # Triton comes with vLLM's GPU builds; CPU engines never import it.
-            from hybridkv.core.cuda_rows import PROGRAMS, copy_rows_cuda
+            from hybridkv.core.cuda_rows import LOAD_PROGRAMS, STORE_PROGRAMS, copy_rows_cuda
 
             self._copy_rows_cuda = copy_rows_cuda
-            self._programs = PROGRAMS if cuda_programs is None else cuda_programs
+            self._store_programs = STORE_PROGRAMS if cuda_programs is None else cuda_programs
+            self._load_programs = LOAD_PROGRAMS if cuda_programs is None else cuda_programs
         # Loads still running on the GPU, with the host entries they read: an entry's
         # slot must not be reused (a disk read writes from the CPU) before the copy ends.
         self._inflight: list[tuple[Landing, list[torch.Tensor]]] = []
@@ -102,7 +104,7 @@ class CopyEngine:
         if not self.cuda:
             copy_rows(table)
             return outs, LANDED
-        return outs, self._run(self._stores, table)
+        return outs, self._run(self._stores, table, self._store_programs)
 
     def scatter(
         self, loads: Sequence[tuple[EntryCopy, torch.Tensor]], after: Sequence[Landing] = ()
@@ -124,7 +126,7 @@ class CopyEngine:
         table = self._host_table([c for c, _ in loads], entries, to_engine=True)
         for landing in after:
             landing.order(self._loads)
-        landing = self._run(self._loads, table)
+        landing = self._run(self._loads, table, self._load_programs)
         self._inflight.append((landing, entries))
         return landing
 
@@ -138,11 +140,12 @@ class CopyEngine:
         else:
             landing.wait()
 
-    def _run(self, stream: torch.cuda.Stream, table: np.ndarray) -> Landing:
-        """Run `table` on `stream` after what the compute stream has queued so far."""
+    def _run(self, stream: torch.cuda.Stream, table: np.ndarray, programs: int) -> Landing:
+        """Run `table` on `stream`, on `programs` programs, after what the compute stream
+        has queued so far."""
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._copy_rows_cuda(table, self.device, self._programs)
+            self._copy_rows_cuda(table, self.device, programs)
         done = torch.cuda.Event()
         done.record(stream)
         return Landing(done)

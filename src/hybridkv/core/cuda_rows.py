@@ -10,9 +10,9 @@ kernels did one launch per layer per entry and a synchronous upload of block ids
 entry; on an H100 they reached 0.5x a pinned copy with 32 MiB entries, 0.2x with 8 MiB
 ones (docs/benchmarks.md, GPU copy).
 
-A row is cut into pieces of up to `_PER_PROGRAM` words; a few programs (`PROGRAMS`) take
-the pieces in turn. The word is the widest integer that every address and size of the
-table is a multiple of.
+A row is cut into pieces of up to `_PER_PROGRAM` words; a few programs (`STORE_PROGRAMS`,
+`LOAD_PROGRAMS`) take the pieces in turn. The word is the widest integer that every
+address and size of the table is a multiple of.
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ _PER_PROGRAM = 4 * _BLOCK
 _WARPS = 4
 # Programs a batch runs on, each looping over pieces: few enough to leave the forward
 # most SMs, enough to keep the PCIe link full. Measured on an H200 (docs/benchmarks.md,
-# "GPU forward stall"): one program per piece (thousands) filled every SM, so a store
-# slowed the forward running beside it by 6 %, as much as if the forward had waited for
-# it; 16 programs moved as many bytes a second and slowed it by 3.3 % (one run each;
-# 32 and 64: 5.1 % and 5.6 %; fewer than 16 not measured). 0: one per piece.
-PROGRAMS = 16
+# "GPU forward stall"): one program per piece (thousands) filled every SM, so a step's
+# 64 MiB of stores slowed the forward beside them by 6 %, as much as if the forward had
+# waited for them. Stores (the GPU writing host memory) keep full speed on 8 programs
+# (0.84-0.88x a pinned copy, as on 16) and slow the forward by 1.3-1.7 % (16: 2.7-3.3 %).
+# Loads (the GPU reading host memory, each read waiting its round trip) need more in
+# flight: 0.63x on 8 programs, 0.85-0.87x on 16, where a request's restore waits for them.
+STORE_PROGRAMS = 8
+LOAD_PROGRAMS = 16
 _WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 
 
@@ -39,7 +42,11 @@ _WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 def _copy_rows(
     table, pieces, parts, WORD: tl.constexpr, BLOCK: tl.constexpr, PER_PROGRAM: tl.constexpr
 ):
-    for piece in range(tl.program_id(0), pieces, tl.num_programs(0)):
+    # Each program takes every num_programs-th piece. A `while`, not a `range` over
+    # program ids: Triton 3.6's interpreter cannot make a range of its tensors under
+    # NumPy >= 2.5 (it converts a one-element array to an int).
+    piece = tl.program_id(0)
+    while piece < pieces:
         row = piece // parts
         dst = tl.load(table + 3 * row).to(tl.pointer_type(WORD))
         src = tl.load(table + 3 * row + 1).to(tl.pointer_type(WORD))
@@ -49,6 +56,7 @@ def _copy_rows(
             offs = first + i + tl.arange(0, BLOCK)
             mask = offs < words
             tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+        piece += tl.num_programs(0)
 
 
 def word_bytes(table: np.ndarray) -> int:
@@ -62,7 +70,7 @@ def word_bytes(table: np.ndarray) -> int:
     return 1
 
 
-def copy_rows_cuda(table: np.ndarray, device: torch.device, programs: int = PROGRAMS) -> None:
+def copy_rows_cuda(table: np.ndarray, device: torch.device, programs: int) -> None:
     """Run `table` on the current stream of `device`, on at most `programs` programs (0:
     one per piece). Addresses may be device memory or pinned host memory; the caller has
     bounds-checked them (`row_table`) and keeps both ends alive until the stream has run
