@@ -333,9 +333,10 @@ class Serving:
 
 
 def serving(entries: int, steps: int, freeze: bool) -> dict[str, float]:
-    """Per-step seconds of the stream once CPU memory is full (the module docstring);
-    then a quarter as many steps again with the calls into the index timed; last, one
-    full collection of the garbage collector, timed. vLLM's engine freezes what start-up
+    """Per-step seconds of the stream once CPU memory is full (the module docstring),
+    and the longest step while it filled (where the index's tables grow); then a quarter
+    as many steps again with the calls into the index timed; last, one full collection
+    of the garbage collector, timed. vLLM's engine freezes what start-up
     allocated (`freeze_gc_heap`), the scheduler side's empty tables among it, so that
     collection walks the objects allocated since: the index's, which a collection of
     the oldest generation walks every time the objects surviving younger collections
@@ -347,8 +348,9 @@ def serving(entries: int, steps: int, freeze: bool) -> dict[str, float]:
     gc.freeze()
     index = stream.side.index
     t = time.perf_counter()
+    filling = []  # the steps while it fills: what grows grows then
     while index.gauges()["cpu_bytes"] < 0.99 * index.capacity:
-        stream.step()
+        filling.append(stream.step()[0])
     filled = time.perf_counter() - t
     if freeze:
         gc.collect()
@@ -362,6 +364,9 @@ def serving(entries: int, steps: int, freeze: bool) -> dict[str, float]:
     gauges = index.gauges()
     out = {
         "fill_seconds": filled,
+        "filling: steps": len(filling),
+        "filling: steps over 5 ms": sum(secs > 5e-3 for secs in filling),
+        "filling: longest step, ms": max(filling) * 1e3,
         "cpu_entries": gauges["cpu_entries"],
         "boundaries": gauges["cpu_boundaries"],
         "evictions": index.stats.cpu_evictions,

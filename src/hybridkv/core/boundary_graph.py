@@ -22,23 +22,23 @@ below another of its chain touches only the keys of its own segment, not its who
 chain's (a 24k-token prompt's boundary needs 96 chunks; its own segment, the few chunks
 of its turn), and an eviction choice counts what it frees the same way (`Segments.dies`).
 
-Boundaries and segments are *rows*: an int id into columns of `array.array`s, and dicts
+Boundaries and segments are *rows*: an int id into columns of numbers, and dicts
 of ints to bytes for their keys, not a Python object each. A full collection of CPython's
 garbage collector follows every reference of every object it tracks, on vLLM's scheduler
 thread; as objects (16 references a boundary, 4 a segment, and a boundary in each of the
 state map's values) they were 2.3 million of the 2.9 million references a 190-300 ms
-collection followed at a million entries (docs/benchmarks.md). Arrays of numbers, and
-dicts whose keys and values are bytes and ints, are not tracked at all (an array is one
-object). Children are linked through the rows (first child, next and previous sibling),
-so adding or dropping one is O(1) without a set per parent.
+collection followed at a million entries (docs/benchmarks.md). Columns of numbers, and
+dicts whose keys and values are bytes and ints, are not tracked at all. Children are
+linked through the rows (first child, next and previous sibling), so adding or dropping
+one is O(1) without a set per parent.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Collection, Iterator, Sequence
 from typing import Protocol
 
+from hybridkv._columns import Column
 from hybridkv.core.keys import KEY_BYTES
 from hybridkv.core.keytable import PARTS, KeyTable
 from hybridkv.core.ledger import Ledger
@@ -83,14 +83,17 @@ class RowBytes:
 
 class Rows:
     """Column storage with reusable row ids: the common part of `Boundaries` and
-    `Segments`. Each column is an `array.array`; a freed id is handed out again."""
+    `Segments`. Each column is a native `Column` (src/hybridkv/_columns.c), which grows a
+    page at a time: `array.array` columns all reached their allocation's end on the same
+    new row and were copied whole, 3-15 ms in one step at a hundred thousand boundaries.
+    A freed id is handed out again."""
 
-    COLUMNS: dict[str, str] = {}  # name -> array typecode
+    COLUMNS: dict[str, str] = {}  # name -> Column kind
 
     def __init__(self) -> None:
-        for name, code in self.COLUMNS.items():
-            setattr(self, name, array(code))
-        self._free = array("q")
+        for name, kind in self.COLUMNS.items():
+            setattr(self, name, Column(kind))
+        self._free = Column("q")
 
     def _new(self, *values: float) -> int:
         """A row with the columns' values, in `COLUMNS` order."""
@@ -108,8 +111,8 @@ class Rows:
 
     def _reset(self) -> None:
         for name in self.COLUMNS:
-            del getattr(self, name)[:]
-        del self._free[:]
+            getattr(self, name).clear()
+        self._free.clear()
 
 
 class Segments(Rows):

@@ -10,38 +10,40 @@ place when it is released (`_ready`): everything set aside is older than everyth
 in the list, so the order is the same as the plain list's and each held entry costs O(1)
 per hold, not per choice.
 
-The order is a doubly linked list through arrays (`array.array` of slot numbers), each
-key's slot in a native `KeyTable` (core/keytable.py) and each slot's key in a flat byte
-buffer, not an `OrderedDict`: CPython's garbage collector walks every key of an
-`OrderedDict` in each full collection, on vLLM's scheduler thread (`LruPolicy` holds
-every entry in CPU memory, a million in production), and never looks inside an array, a
-buffer or a `KeyTable`. A `KeyTable` never rebuilds while its keys come and go and grows
-a 64th at a time (the longest admission at a million entries: 116-121 ms with one dict
-per map, 3.7-5.0 ms with dicts split 64 ways, 1.0-2.2 ms now: `bench/lookup.py
---lru-entries`, docs/benchmarks.md), and its lookups of keys no recent step touched miss
-the cache less than a dict's.
+The order is a doubly linked list through columns of slot numbers (native `Column`s,
+src/hybridkv/_columns.c, which grow a page at a time: an `array.array` of a million slots
+grows by copying itself whole), each key's slot in a native `KeyTable`
+(core/keytable.py) and each slot's key in a `Column` of short keys, not an
+`OrderedDict`: CPython's garbage collector walks every key of an `OrderedDict` in each
+full collection, on vLLM's scheduler thread (`LruPolicy` holds every entry in CPU memory,
+a million in production), and never looks inside a column or a `KeyTable`. A
+`KeyTable` never rebuilds while its keys come and go and grows a 64th at a time (the
+longest admission at a million entries: 116-121 ms with one dict per map, 3.7-5.0 ms
+with dicts split 64 ways, 1.0-2.2 ms with a `KeyTable`: `bench/lookup.py --lru-entries`,
+docs/benchmarks.md), and its lookups of keys no recent step touched miss the cache less
+than a dict's.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Iterable, Iterator
 
 from sortedcontainers import SortedList
 
+from hybridkv._columns import Column
 from hybridkv.core.keytable import KeyTable
 
 END = 0  # the list's sentinel slot: its next is the oldest key, its previous the newest
-KEY_ROOM = 24  # a slot's bytes in the key buffer: the key's length, then the key
 
 
 class RecencyQueue:
     def __init__(self) -> None:
         self._slots = KeyTable()  # key -> its slot in the list
-        self._keys = bytearray(KEY_ROOM)  # slot -> its key, at slot * KEY_ROOM
-        self._next = array("q", (END,))
-        self._prev = array("q", (END,))
-        self._free = array("q")  # slots to hand out again
+        self._keys = Column("k")  # slot -> its key
+        self._next = Column("q")
+        self._prev = Column("q")
+        self._free = Column("q")  # slots to hand out again
+        self._new_slot()  # END
         self._held: dict[bytes, int] = {}  # set aside from the front -> its place
         self._ready: SortedList = SortedList()  # (place, key) set aside, then released
         self._places = 0
@@ -71,21 +73,18 @@ class RecencyQueue:
             self._append(slot)
             return
         slot = self._free[-1] if self._free else len(self._next)
-        self._slots[key] = slot  # first: a key longer than a slot's room changes nothing
+        self._slots[key] = slot  # first: a key longer than a KeyTable's changes nothing
         if self._free:
             self._free.pop()
         else:
-            self._next.append(END)
-            self._prev.append(END)
-            self._keys += bytes(KEY_ROOM)
-        at = slot * KEY_ROOM
-        self._keys[at] = len(key)
-        self._keys[at + 1 : at + 1 + len(key)] = key
+            self._new_slot()
+        self._keys[slot] = key
         self._append(slot)
 
-    def _key(self, slot: int) -> bytes:
-        at = slot * KEY_ROOM
-        return bytes(self._keys[at + 1 : at + 1 + self._keys[at]])
+    def _new_slot(self) -> None:
+        self._next.append(END)
+        self._prev.append(END)
+        self._keys.append(b"")
 
     def use(self, key: bytes) -> None:
         """Make the key the most recently used, if it is here."""
@@ -136,7 +135,7 @@ class RecencyQueue:
         point."""
         for _, key in self._ready:
             yield key
-        nxt, key_of = self._next, self._key
+        nxt, key_of = self._next, self._keys.__getitem__
         while (slot := nxt[END]) != END and held(key := key_of(slot)):
             del self._slots[key]
             self._remove(slot)
@@ -151,9 +150,8 @@ class RecencyQueue:
 
     def clear(self) -> None:
         self._slots.clear()
-        self._keys = bytearray(KEY_ROOM)
-        self._next = array("q", (END,))
-        self._prev = array("q", (END,))
-        del self._free[:]
+        for column in (self._keys, self._next, self._prev, self._free):
+            column.clear()
+        self._new_slot()
         self._held.clear()
         self._ready.clear()

@@ -24,6 +24,8 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from itertools import repeat
 
+from hybridkv._columns import Column
+
 LOAD = 512
 
 
@@ -174,16 +176,17 @@ class RowOrder:
 
 
 class RowQueue:
-    """Rows in the order they were appended, as a doubly linked list through arrays
-    indexed by row (slot 0 is the list's sentinel, row r is slot r + 1). The caller keeps
-    track of which rows are in it."""
+    """Rows in the order they were appended, as a doubly linked list through columns
+    indexed by row (slot 0 is the list's sentinel, row r is slot r + 1), native `Column`s
+    that grow a page at a time, as the boundaries' own columns (core/boundary_graph.py).
+    The caller keeps track of which rows are in it."""
 
     __slots__ = ("_next", "_prev", "_len")
 
     def __init__(self) -> None:
-        self._next = array("q", (0,))
-        self._prev = array("q", (0,))
-        self._len = 0
+        self._next = Column("q")
+        self._prev = Column("q")
+        self.clear()
 
     def __len__(self) -> int:
         return self._len
@@ -215,6 +218,7 @@ class RowQueue:
             slot = nxt[slot]
 
     def clear(self) -> None:
-        del self._next[1:], self._prev[1:]
-        self._next[0] = self._prev[0] = 0
+        for column in (self._next, self._prev):
+            column.clear()
+            column.append(0)
         self._len = 0
