@@ -24,9 +24,10 @@ whose answers become hints, and promoted), stored the next step (`_admit`: chunk
 while the request runs, the boundary at the prompt's checkpoint and at its branch point,
 evictions by the policy) and finished a few steps later (pins released); each step also
 takes the index's orders and applies the workers' reports of the promotions, as
-`build_meta` and `update_connector_output` do. The stream fills CPU memory first (not
-timed), then every scheduler-side call of each of `--serve-steps` steps is timed: p50, p99
-and max of a step, with and without the chain keys of new prompts (blake3 over the
+`build_meta` and `update_connector_output` do. The stream fills CPU memory first (its
+longest step reported: the index's tables grow then), then every scheduler-side call of
+each of `--serve-steps` steps is timed: p50, p99 and max of a step, with and without the
+chain keys of new prompts (blake3 over the
 prompt, about 0.3 ms for 24k tokens whatever the index holds, timed on their own); for
 scale, the block hashes vLLM's engine core computes for the same new prompts on the same
 thread (`vllm_request_hashes`, timed apart); and one full collection of the garbage
@@ -35,8 +36,11 @@ second run of the same fill under tracemalloc; what code of hybridkv and of
 sortedcontainers allocated and still holds, per entry in CPU memory. Run it against
 another source with `PYTHONPATH=<its src>` (the "before" of docs/benchmarks.md).
 
+`--row-growth N`: the boundary table grown to N rows, its longest addition (`row_growth`).
+
     .venv/bin/python bench/lookup.py --prompt-tokens 32768
     .venv/bin/python bench/lookup.py --serve-entries 10000 100000 1000000
+    .venv/bin/python bench/lookup.py --row-growth 100000 1000000
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from pathlib import Path
 import numpy as np
 from common import RESULTS
 
+from hybridkv.core.boundary_graph import KEY_WIDTH, Boundaries
 from hybridkv.core.index import StoreIndex, WorkerReport
 from hybridkv.core.keys import chunk_keys, group_key
 from hybridkv.core.keytable import KeyTable
@@ -479,6 +484,26 @@ def _dict_missing(table: dict[bytes, int], keys: list[bytes]) -> list[bytes]:
     return [key for key in keys if key not in table]
 
 
+def row_growth(rows: int) -> dict[str, float]:
+    """The boundary table (core/boundary_graph.py's `Boundaries`, 17 columns) grown to
+    `rows` rows one at a time, as admissions grow it while CPU memory fills: the longest
+    addition. Columns that grow by copying themselves whole all do it on the same row."""
+    table = Boundaries()
+    states = [bytes(KEY_WIDTH)] * 3
+    times = array("d")
+    for i in range(rows):
+        t = time.perf_counter()
+        table.new(states, 0, i, i, i, i)
+        times.append(time.perf_counter() - t)
+    times = sorted(times)
+    return {
+        "rows": rows,
+        "p50 us": times[len(times) // 2] * 1e6,
+        "max ms": times[-1] * 1e3,
+        "over 1 ms": sum(t > 1e-3 for t in times),
+    }
+
+
 def cold_lookups(keys_held: int, asked: int = 300, trials: int = 31) -> dict[str, float]:
     """Nanoseconds per key to ask a table holding `keys_held` random 18-byte keys about
     `asked` of them (new key objects, as a lookup's concatenated keys are): "cold" after
@@ -533,13 +558,18 @@ def main() -> None:
     p.add_argument(
         "--cold-lookups", type=int, nargs="*", default=[], help="ns per key asked (`cold_lookups`)"
     )
+    p.add_argument(
+        "--row-growth", type=int, nargs="*", default=[], help="rows added (`row_growth`)"
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "lookup.json")
     args = p.parse_args()
-    if args.cold_lookups or args.lru_entries:
+    if args.cold_lookups or args.lru_entries or args.row_growth:
         for held in args.cold_lookups:
             print_figures(f"{held} keys held, ns per key asked", cold_lookups(held), 0)
         for entries in args.lru_entries:
             print_figures(f"LruPolicy, {entries} entries", lru_churn(entries), 1)
+        for rows in args.row_growth:
+            print_figures(f"boundary table grown to {rows} rows", row_growth(rows), 2)
         return
     if args.serve_entries:
         serve(args)

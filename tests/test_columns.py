@@ -7,10 +7,9 @@ from __future__ import annotations
 import tracemalloc
 
 import pytest
+from hybridkv._columns import Column
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from hybridkv._columns import Column
 
 PAGE = 4096
 
