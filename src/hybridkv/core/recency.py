@@ -73,7 +73,7 @@ class RecencyQueue:
             self._append(slot)
             return
         slot = self._free[-1] if self._free else len(self._next)
-        self._slots[key] = slot  # first: a key longer than a KeyTable's changes nothing
+        self._slots[key] = slot  # first: a key the KeyTable refuses (over 23 bytes) changes nothing
         if self._free:
             self._free.pop()
         else:
