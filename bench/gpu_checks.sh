@@ -1,9 +1,10 @@
 #!/bin/bash
 # Every check that needs a CUDA device, in one run (a lent GPU machine's time is short):
 # the CUDA tests and the step-order harness, the copy path at two batch sizes, the forward
-# stall with a sweep of the copy kernel's program counts and with loads, and the harness
-# once under compute-sanitizer's racecheck (one case: the whole file gave no result in
-# 355 s on an H200) with what time is left.
+# stall with a sweep of the copy kernel's program counts and with loads, the copy kernel
+# alone under compute-sanitizer's memcheck, racecheck and synccheck (bench/gpu_sanitize.py:
+# one harness case under racecheck gave no result in 355 s and 377 s on an H200, its
+# matrix products slowed by the sanitizer), then that harness case with what time is left.
 #
 #   bench/gpu_checks.sh OUT_DIR [SECONDS]     (default 450 s in all)
 #
@@ -29,6 +30,10 @@ step() { echo "== $1 (t=${SECONDS}s)"; shift; "$@"; echo "rc=$?"; }
     --copy-programs 0 4 8 16 32 --repeats 3 --json "$out/stall.json"
   step "forward stall with loads" timeout 60 $py bench/gpu_forward_stall.py --loads \
     --copy-programs 8 16 --repeats 3 --json "$out/stall_loads.json"
+  for tool in memcheck racecheck synccheck; do
+    step "$tool, copy kernel alone" timeout 60 compute-sanitizer --tool "$tool" \
+      --error-exitcode 9 $py bench/gpu_sanitize.py
+  done
   left=$((budget - SECONDS))
   if [ "$left" -gt 30 ]; then
     step "racecheck (${left}s)" timeout "$left" compute-sanitizer --tool racecheck \
