@@ -36,6 +36,9 @@ second run of the same fill under tracemalloc; what code of hybridkv and of
 sortedcontainers allocated and still holds, per entry in CPU memory. Run it against
 another source with `PYTHONPATH=<its src>` (the "before" of docs/benchmarks.md).
 
+`--step-tokens N`: the stream's prefills capped at N tokens a step, as vLLM's token budget
+spreads a long prompt's prefill, and so its stores, over several steps (by default each
+prefill stores everything in the step after its lookup).
 `--row-growth N`: the boundary table grown to N rows, its longest addition (`row_growth`).
 
     .venv/bin/python bench/lookup.py --prompt-tokens 32768
@@ -190,7 +193,13 @@ class Serving:
     and of those the chain keys of its new prompts'; `index_seconds` adds up what the
     calls into the index took (once `time_index` has wrapped them: that costs time)."""
 
-    def __init__(self, entries: int, seed: int = 27, vllm_scale: bool = False):
+    def __init__(
+        self,
+        entries: int,
+        seed: int = 27,
+        vllm_scale: bool = False,
+        step_tokens: int | None = None,
+    ):
         lay = layout()
         planner = Planner(lay.groups)
         self.rng = random.Random(seed)
@@ -211,6 +220,11 @@ class Serving:
         self.open: list[np.ndarray | None] = [None] * max(entries // 50, 8)
         self.waiting: list = []  # requests looked up that answered "ask again"
         self.prefilled: list = []  # requests looked up last step: their stores come now
+        # With `step_tokens`, vLLM's token budget: a step's prefills compute (and store) at
+        # most that many tokens, the first ones looked up first; the rest wait in
+        # `prefilling` as [request, next chunk to store, hit]. None: a whole prefill a step.
+        self.step_tokens = step_tokens
+        self.prefilling: list[list] = []
         self.running: list[tuple[int, object]] = []  # (finishing step, request)
         self.promoted: list[bytes] = []  # promotions ordered last step
         self.n = 0
@@ -280,10 +294,23 @@ class Serving:
             side.request_finished(req)
         # Last step's prefills store their chunks and states.
         stored: list[bytes] = []
-        for req, hit in self.prefilled:
-            stored += self._store(req, hit)
+        prefills = self.prefilling + [[req, hit // BLOCK, hit] for req, hit in self.prefilled]
+        budget = self.step_tokens // BLOCK if self.step_tokens else None
+        done, self.prefilling = [], []
+        for prefill in prefills:
+            req, first, hit = prefill
+            ckpt = side.policy.prompt_checkpoint(req.num_prompt_tokens) // BLOCK
+            last = ckpt if budget is None else min(ckpt, first + budget)
+            if last > first or last == ckpt:
+                stored += self._store(req, hit, first, last)
+            if budget is not None:
+                budget -= last - first
+            if last == ckpt:
+                done.append(req)
+            else:
+                self.prefilling.append([req, last, hit])
         elapsed = clock() - t0
-        for req, _ in self.prefilled:
+        for req in done:
             self.running.append((self.n + self.rng.randint(2, 6), req))
         self.prefilled = []
         # Lookups: the waiting ones again, then this step's new requests.
@@ -321,23 +348,27 @@ class Serving:
         self.n += 1
         return elapsed + hashing, hashing
 
-    def _store(self, req, hit: int) -> list[bytes]:
-        """What a prefill from `hit` to the prompt's checkpoint stores: its chunks, and
-        the states at the checkpoint and at the branch point vLLM checkpointed, through
-        the scheduler side's admission."""
+    def _store(self, req, hit: int, first: int, last: int) -> list[bytes]:
+        """What the part of a prefill from `hit` that computes chunks `first` to `last`
+        (the prompt's checkpoint at most) stores: those chunks, and the states among the
+        checkpoint and the branch point vLLM checkpointed that it reaches, through the
+        scheduler side's admission."""
         side = self.side
         st = side._state(req)
         ckpt = side.policy.prompt_checkpoint(req.num_prompt_tokens) // BLOCK
         keys = side._keys(st, ckpt * BLOCK)
-        plan = [EntryCopy(0, c, (0,), (0,)) for c in range(hit // BLOCK, ckpt)]
+        plan = [EntryCopy(0, c, (0,), (0,)) for c in range(first, last)]
         junction = req.shared_prefix_boundary // BLOCK
         for end in sorted({ckpt} | ({junction} if hit // BLOCK < junction < ckpt else set())):
-            plan += [EntryCopy(g, end - 1, (0,), (0,)) for g in STATE_GROUPS if end]
+            if end and (first < end <= last or end == first == last):  # (a hit to it)
+                plan += [EntryCopy(g, end - 1, (0,), (0,)) for g in STATE_GROUPS]
         copies = [KeyedCopy(group_key(keys[c.chunk], c.group), c) for c in plan]
         return [kc.key for kc in side._admit(st, keys, copies)]
 
 
-def serving(entries: int, steps: int, freeze: bool) -> dict[str, float]:
+def serving(
+    entries: int, steps: int, freeze: bool, step_tokens: int | None = None
+) -> dict[str, float]:
     """Per-step seconds of the stream once CPU memory is full (the module docstring),
     and the longest step while it filled (where the index's tables grow); then a quarter
     as many steps again with the calls into the index timed; last, one full collection
@@ -348,7 +379,7 @@ def serving(entries: int, steps: int, freeze: bool) -> dict[str, float]:
     have grown by a quarter (CPython 3.11), on the scheduler's thread, whatever step it
     falls in."""
     # Built before the freeze, as vLLM builds its scheduler.
-    stream = Serving(entries, vllm_scale=True)
+    stream = Serving(entries, vllm_scale=True, step_tokens=step_tokens)
     gc.collect()
     gc.freeze()
     index = stream.side.index
@@ -551,6 +582,13 @@ def main() -> None:
     p.add_argument("--serve-entries", type=int, nargs="*", default=[])
     p.add_argument("--serve-steps", type=int, default=20000)
     p.add_argument("--freeze", action="store_true", help="gc.freeze() once CPU memory is full")
+    p.add_argument(
+        "--step-tokens",
+        type=int,
+        default=None,
+        help="the serving stream's prefill tokens a step, as vLLM's token budget (default: "
+        "a whole prefill in the step after its lookup)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc runs")
     p.add_argument(
         "--lru-entries", type=int, nargs="*", default=[], help="LruPolicy churn (`lru_churn`)"
@@ -632,9 +670,10 @@ def main() -> None:
 
 def serve(args: argparse.Namespace) -> None:
     results: dict[str, dict[str, float]] = {}
-    print(f"serving stream, {args.serve_steps} steps timed once CPU memory is full")
+    budget = f", prefills of {args.step_tokens} tokens a step" if args.step_tokens else ""
+    print(f"serving stream, {args.serve_steps} steps timed once CPU memory is full{budget}")
     for entries in args.serve_entries:
-        fig = serving(entries, args.serve_steps, args.freeze)
+        fig = serving(entries, args.serve_steps, args.freeze, args.step_tokens)
         if not args.no_memory:
             fig.update({f"memory: {k}": v for k, v in memory(entries).items()})
         results[str(entries)] = fig
@@ -645,7 +684,15 @@ def serve(args: argparse.Namespace) -> None:
     out = args.json.with_name(args.json.stem + "-serving.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
-        json.dumps({"steps": args.serve_steps, "freeze": args.freeze, "entries": results}, indent=2)
+        json.dumps(
+            {
+                "steps": args.serve_steps,
+                "freeze": args.freeze,
+                "step_tokens": args.step_tokens,
+                "entries": results,
+            },
+            indent=2,
+        )
     )
     print(f"wrote {out}")
 
