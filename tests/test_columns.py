@@ -94,6 +94,8 @@ def test_refusals_change_nothing():
     with pytest.raises(IndexError):
         q.pop()
     assert (list(b), list(k), len(q)) == ([5], [b"x" * 23], 0)
+    b.extend(b)  # its own items, taken before it grows
+    assert list(b) == [5, 5]
 
 
 def test_memory_is_the_items_and_traced():

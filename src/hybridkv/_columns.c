@@ -220,7 +220,12 @@ static PyObject *Column_append(Column *c, PyObject *v) {
 }
 
 static PyObject *Column_extend(Column *c, PyObject *iterable) {
-    PyObject *it = PyObject_GetIter(iterable);
+    /* Its own items are taken first: iterating a column while appending to it never ends. */
+    PyObject *items = (PyObject *)c == iterable ? PySequence_List(iterable) : NULL;
+    if ((PyObject *)c == iterable && !items)
+        return NULL;
+    PyObject *it = PyObject_GetIter(items ? items : iterable);
+    Py_XDECREF(items); /* the iterator holds the list */
     if (!it)
         return NULL;
     PyObject *v;
