@@ -1,10 +1,13 @@
 #!/bin/bash
 # Every check that needs a CUDA device, in one run (a lent GPU machine's time is short):
-# the CUDA tests and the step-order harness, the copy path at two batch sizes, the forward
-# stall with a sweep of the copy kernel's program counts and with loads, the copy kernel
-# alone under compute-sanitizer's memcheck, racecheck and synccheck (bench/gpu_sanitize.py:
-# one harness case under racecheck gave no result in 355 s and 377 s on an H200, its
-# matrix products slowed by the sanitizer), then that harness case with what time is left.
+# the CUDA tests and the step-order harness, the copy path at two batch sizes, the copy
+# kernel alone under compute-sanitizer's memcheck, racecheck and synccheck
+# (bench/gpu_sanitize.py: one harness case under racecheck gave no result in 355 s and
+# 377 s on an H200, its matrix products slowed by the sanitizer), the forward stall at the
+# engine's store programs against one program a piece, and with loads beside; then that
+# harness case under racecheck with what time is left. Every run here uses the
+# CopyEngine's own program counts (cuda_rows.STORE_PROGRAMS, LOAD_PROGRAMS) unless a step
+# names others; `--copy-programs` on the two benches sweeps them.
 #
 #   bench/gpu_checks.sh OUT_DIR [SECONDS]     (default 450 s in all)
 #
@@ -24,16 +27,17 @@ step() { echo "== $1 (t=${SECONDS}s)"; shift; "$@"; echo "rc=$?"; }
   step tests timeout 170 $py -m pytest -q -p no:cacheprovider tests/test_cuda_rows.py \
     tests/test_copy_engine_cuda.py tests/test_step_replay.py
   step "copy 1 GiB" timeout 80 $py bench/gpu_copy.py --json "$out/gpu_copy.json"
-  step "copy 0.5 GiB" timeout 60 $py bench/gpu_copy.py --entries 64 --blocks-per-entry 4 \
-    --json "$out/gpu_copy_small.json"
-  step "forward stall, program sweep" timeout 90 $py bench/gpu_forward_stall.py \
-    --copy-programs 0 4 8 16 32 --repeats 3 --json "$out/stall.json"
-  step "forward stall with loads" timeout 60 $py bench/gpu_forward_stall.py --loads \
-    --copy-programs 8 16 --repeats 3 --json "$out/stall_loads.json"
   for tool in memcheck racecheck synccheck; do
-    step "$tool, copy kernel alone" timeout 60 compute-sanitizer --tool "$tool" \
+    step "$tool, copy kernel alone" timeout 90 compute-sanitizer --tool "$tool" \
       --error-exitcode 9 $py bench/gpu_sanitize.py
   done
+  step "copy 0.5 GiB" timeout 60 $py bench/gpu_copy.py --entries 64 --blocks-per-entry 4 \
+    --json "$out/gpu_copy_small.json"
+  stores=$($py -c "from hybridkv.core.cuda_rows import STORE_PROGRAMS as p; print(p)")
+  step "forward stall" timeout 60 $py bench/gpu_forward_stall.py --copy-programs 0 "$stores" \
+    --repeats 3 --json "$out/stall.json"
+  step "forward stall with loads" timeout 60 $py bench/gpu_forward_stall.py --loads \
+    --repeats 3 --json "$out/stall_loads.json"
   left=$((budget - SECONDS))
   if [ "$left" -gt 30 ]; then
     step "racecheck (${left}s)" timeout "$left" compute-sanitizer --tool racecheck \

@@ -6,9 +6,11 @@ the worker's `CopyEngine` stores (`gather`: random, non-contiguous blocks -> new
 entries, device->host) and loads (`scatter`: entries -> other random blocks,
 host->device) `--entries` entries per call, as one step's batch. The reference copies
 the same number of bytes between one contiguous device tensor and one pinned host
-tensor. Beside them, in the same rounds, the path the engine ran before its Triton row
-kernel: per entry, torch index kernels (one launch a layer) into a device staging buffer
-and one pinned copy. Every copy is synchronized before its clock stops. The loaded
+tensor. Beside them, in the same rounds: the same copies with the whole batch in one
+kernel launch (before `copy_engine.LAUNCH_BYTES` cut it into launches that the host
+builds while the GPU copies), and the path the engine ran before its Triton row kernel:
+per entry, torch index kernels (one launch a layer) into a device staging buffer and one
+pinned copy. Every copy is synchronized before its clock stops. The loaded
 blocks are checked against the stored ones.
 
     python bench/gpu_copy.py            # defaults: 32 layers x 64 KiB pages, 1 GiB a batch
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,6 +33,7 @@ from common import (
     write_result,
 )
 
+from hybridkv.core import copy_engine
 from hybridkv.core.canonical import row_table
 from hybridkv.core.cuda_rows import STORE_PROGRAMS, copy_rows_cuda
 
@@ -80,6 +84,18 @@ def main() -> None:
         engine.scatter(list(zip(loads, entries, strict=True)))
         torch.cuda.synchronize()
 
+    def one_launch(fn: Callable[[], None]) -> Callable[[], None]:
+        """`fn` with the whole batch in one kernel launch, as before `LAUNCH_BYTES`."""
+
+        def run() -> None:
+            cut, copy_engine.LAUNCH_BYTES = copy_engine.LAUNCH_BYTES, 1 << 62
+            try:
+                fn()
+            finally:
+                copy_engine.LAUNCH_BYTES = cut
+
+        return run
+
     def store_torch() -> None:
         for c, out in zip(stores, entries, strict=True):
             staged = torch.empty(out.numel(), dtype=torch.int8, device=dev)
@@ -95,6 +111,7 @@ def main() -> None:
 
     fns = {"plain_d2h": plain_d2h, "store": store, "store_torch": store_torch}
     fns |= {"plain_h2d": plain_h2d, "load": load, "load_torch": load_torch}
+    fns |= {"store_one": one_launch(store), "load_one": one_launch(load)}
     t = interleaved(fns, args.repeats)
     # The kernel alone, timed on the GPU: what the copies cost beyond the host's work of
     # building the table and launching (the rest of the gap to the pinned copy).
@@ -122,6 +139,8 @@ def main() -> None:
         "store_d2h_ratio": t["plain_d2h"] / t["store"],
         "load_h2d_ratio": t["plain_h2d"] / t["load"],
         "store_kernel_gib_s": nbytes / 2**30 / kernel_s,
+        "store_one_d2h_ratio": t["plain_d2h"] / t["store_one"],
+        "load_one_h2d_ratio": t["plain_h2d"] / t["load_one"],
         "store_torch_d2h_ratio": t["plain_d2h"] / t["store_torch"],
         "load_torch_h2d_ratio": t["plain_h2d"] / t["load_torch"],
     }
@@ -133,8 +152,10 @@ def main() -> None:
     print(f"{'':26}{'pinned torch copy':>20}{'copy path':>16}{'ratio':>8}")
     for name, plain, ours, ratio in (
         ("store (Triton rows)", "plain_d2h", "store", "store_d2h_ratio"),
+        ("store (one launch)", "plain_d2h", "store_one", "store_one_d2h_ratio"),
         ("store (torch index)", "plain_d2h", "store_torch", "store_torch_d2h_ratio"),
         ("load (Triton rows)", "plain_h2d", "load", "load_h2d_ratio"),
+        ("load (one launch)", "plain_h2d", "load_one", "load_one_h2d_ratio"),
         ("load (torch index)", "plain_h2d", "load_torch", "load_torch_h2d_ratio"),
     ):
         print(f"{name:26}{g[plain]:14.2f} GiB/s{g[ours]:10.2f} GiB/s{result[ratio]:7.2f}x")

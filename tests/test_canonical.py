@@ -9,12 +9,14 @@ padded up to the stride. Checks compare raw bytes, so bf16 NaN patterns compare 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridkv.core import copy_engine
 from hybridkv.core.canonical import (
     CanonicalKV,
     build_canonical,
@@ -251,3 +253,14 @@ def test_out_of_range_block_or_slot_is_rejected_before_any_copy():
     with pytest.raises(IndexError):
         gather(kv, 1, [0, NB])
     assert torch.equal(cache.buf, before)
+
+
+@given(st.lists(st.integers(1, 3 * copy_engine.LAUNCH_BYTES // 2), max_size=40))
+def test_a_gpu_batch_is_cut_into_launches_in_order_and_within_the_limit(sizes):
+    parts = copy_engine._launches(sizes)
+    assert [i for p in parts for i in p] == list(range(len(sizes)))
+    for p in parts:
+        assert len(p) == 1 or sum(sizes[i] for i in p) <= copy_engine.LAUNCH_BYTES
+    # As few launches as that allows: no launch could have taken the next copy too.
+    for p, q in pairwise(parts):
+        assert sum(sizes[i] for i in p) + sizes[q[0]] > copy_engine.LAUNCH_BYTES

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_canonical import GROUPS, LAYERS, NB, PAGE, make_cache
 
+from hybridkv.core import copy_engine
 from hybridkv.core.canonical import build_canonical
 from hybridkv.core.copy_engine import CopyEngine, Landing
 from hybridkv.core.host_pool import HostPool
@@ -237,3 +238,35 @@ def test_out_of_range_ids_are_refused_on_the_host_and_the_gpu_stays_usable():
         engine.scatter([(EntryCopy(0, 0, (0,), (5,)), good[:-1])])
     torch.cuda.synchronize()  # raises if a device assert fired
     assert torch.equal(gpu.buf, before)
+
+
+def test_a_batch_cut_into_many_launches_moves_the_same_bytes(monkeypatch):
+    """One kernel a copy (`LAUNCH_BYTES` below any copy): the GPU runs the first while
+    the host builds the next tables, and every byte still lands as on the host."""
+    monkeypatch.setattr(copy_engine, "LAUNCH_BYTES", 1)
+    cpu, gpu, e_cpu, e_gpu = pair(7)
+    stores = [EntryCopy(g, g, (0, 1), (g + 1, g + 4)) for g in (0, 1, 2, 0)]
+    got, want = e_gpu.gather(stores), e_cpu.gather(stores)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    loads = [
+        (EntryCopy(c.group, c.chunk, (1, 0), (8 + i, 3 + 4 * i)), e)
+        for i, (c, e) in enumerate(zip(stores[:2], want, strict=False))
+    ]
+    e_cpu.scatter(loads)
+    e_gpu.scatter([(c, e.pin_memory()) for c, e in loads]).wait()
+    assert torch.equal(gpu.buf.cpu(), cpu.buf)
+
+
+def test_a_refused_copy_after_launched_ones_returns_once_they_have_run(monkeypatch):
+    """The table of a later launch fails its checks: the call raises only after the
+    launches before it have run, so the caller may drop their entries at once."""
+    monkeypatch.setattr(copy_engine, "LAUNCH_BYTES", 1)
+    _, gpu, _, engine = pair(8)
+    good = engine.gather([EntryCopy(0, 0, (0, 1), (1, 2))])[0]
+    busy()  # the launched copy waits for this, so it has not run when the check fails
+    with pytest.raises(IndexError):
+        engine.scatter(
+            [(EntryCopy(0, 0, (0, 1), (5, 6)), good), (EntryCopy(0, 1, (0,), (NB,)), good)]
+        )
+    assert engine._loads.query()
+    torch.cuda.synchronize()

@@ -5,12 +5,13 @@ bytes travel and how the copies are ordered against the engine's own work.
 
 * CPU cache: all copies of a call become one table of row copies, run natively across
   threads (`row_copy.py`) straight between cache and entries, before the call returns.
-* CUDA cache: the same table, run by one Triton kernel (`cuda_rows.py`) straight between
-  device pages and pinned host entries, on one of two side streams: stores on one, loads
-  on the other, so a store never queues behind a load. Each first waits for the compute
-  stream, so it sees what the engine wrote (KV of this step for a store; vLLM's zeroing
-  of newly allocated blocks for a load). Nothing blocks the CPU, and the compute stream
-  waits for neither:
+* CUDA cache: the same table, run by a Triton kernel (`cuda_rows.py`) straight between
+  device pages and pinned host entries, one launch per `LAUNCH_BYTES` of copies (the GPU
+  starts on the first while the host builds the rest), on one of two side streams:
+  stores on one, loads on the other, so a store never queues behind a load. Each first
+  waits for the compute stream, so it sees what the engine wrote (KV of this step for a
+  store; vLLM's zeroing of newly allocated blocks for a load). Nothing blocks the CPU,
+  and the compute stream waits for neither:
   - a store (`gather_async`) returns its entries with a `Landing` that says when their
     bytes are complete (the caller hands them to the tiers only then). The blocks it
     reads must stay intact until then; what keeps each kind of block intact (vLLM's
@@ -62,6 +63,12 @@ class Landing:
 
 LANDED = Landing()
 
+# Bytes one kernel launch copies at most on a GPU. On an H200 a 1 GiB store spent 1.8 ms
+# on the host (its entries, its table, the upload and launch) before a 21 ms copy began,
+# 8 % of its time (docs/benchmarks.md, "GPU copy"): cut into launches, the copy starts
+# after the first one's share and the rest of the host's work runs beside it.
+LAUNCH_BYTES = 64 << 20
+
 
 class CopyEngine:
     def __init__(
@@ -99,12 +106,11 @@ class CopyEngine:
         bytes are complete once the `Landing` is done. The engine's later work does not
         wait for it (see `hold_compute`)."""
         outs = [self.pool.empty(len(c.block_ids) * self.kv.block_bytes(c.group)) for c in copies]
-        # A new entry holds its blocks in order: row k is block_ids[k].
-        table = self._host_table(copies, outs, to_engine=False)
         if not self.cuda:
-            copy_rows(table)
+            # A new entry holds its blocks in order: row k is block_ids[k].
+            copy_rows(self._host_table(copies, outs, to_engine=False))
             return outs, LANDED
-        return outs, self._run(self._stores, table, self._store_programs)
+        return outs, self._run(self._stores, copies, outs, False, self._store_programs)
 
     def scatter(
         self, loads: Sequence[tuple[EntryCopy, torch.Tensor]], after: Sequence[Landing] = ()
@@ -123,10 +129,10 @@ class CopyEngine:
         # The kernel reads host entries in place, which the GPU can only do in pinned
         # memory. Entries from the pool are pinned; any other is pinned as a copy.
         entries = [e if e.is_pinned() else e.pin_memory() for _, e in loads]
-        table = self._host_table([c for c, _ in loads], entries, to_engine=True)
         for landing in after:
             landing.order(self._loads)
-        landing = self._run(self._loads, table, self._load_programs)
+        copies = [c for c, _ in loads]
+        landing = self._run(self._loads, copies, entries, True, self._load_programs)
         self._inflight.append((landing, entries))
         return landing
 
@@ -140,12 +146,32 @@ class CopyEngine:
         else:
             landing.wait()
 
-    def _run(self, stream: torch.cuda.Stream, table: np.ndarray, programs: int) -> Landing:
-        """Run `table` on `stream`, on `programs` programs, after what the compute stream
-        has queued so far."""
+    def _run(
+        self,
+        stream: torch.cuda.Stream,
+        copies: Sequence[EntryCopy],
+        entries: Sequence[torch.Tensor],
+        to_engine: bool,
+        programs: int,
+    ) -> Landing:
+        """Run the copies on `stream`, on `programs` programs, after what the compute
+        stream has queued so far: one kernel per `LAUNCH_BYTES` of copies, each launched
+        as soon as its table is built, so the GPU copies while the host builds the next.
+        A table that fails its checks raises after the launches before it have run: the
+        caller may then drop their entries, and a load's blocks may be half written."""
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._copy_rows_cuda(table, self.device, programs)
+        try:
+            for part in _launches(
+                [len(c.block_ids) * self.kv.block_bytes(c.group) for c in copies]
+            ):
+                table = self._host_table(
+                    [copies[i] for i in part], [entries[i] for i in part], to_engine
+                )
+                with torch.cuda.stream(stream):
+                    self._copy_rows_cuda(table, self.device, programs)
+        except BaseException:
+            stream.synchronize()
+            raise
         done = torch.cuda.Event()
         done.record(stream)
         return Landing(done)
@@ -161,3 +187,16 @@ class CopyEngine:
             ids = [c.block_ids for c, _ in pairs]
             tables.append(row_table(self.kv, g, [e for _, e in pairs], slots, ids, to_engine))
         return np.concatenate(tables) if tables else np.empty((0, 3), dtype=np.int64)
+
+
+def _launches(sizes: Sequence[int]) -> list[range]:
+    """Consecutive runs of copies of at most `LAUNCH_BYTES` each (a larger copy alone)."""
+    parts, start, size = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and size + n > LAUNCH_BYTES:
+            parts.append(range(start, i))
+            start, size = i, 0
+        size += n
+    if start < len(sizes):
+        parts.append(range(start, len(sizes)))
+    return parts

@@ -1,9 +1,10 @@
 """Row copies on a CUDA device: the (dst, src, bytes) table the CPU path runs natively
-(`canonical.row_table`, `row_copy.py`), run by one Triton kernel per batch.
+(`canonical.row_table`, `row_copy.py`), run by one Triton kernel per launch (a batch is
+one launch per `copy_engine.LAUNCH_BYTES`).
 
 On a GPU the engine's pages are in device memory and the entries in pinned host memory,
 which the GPU addresses directly (unified virtual addressing: a pinned host pointer is a
-device pointer). So one kernel moves a whole step's copies, every layer of every entry,
+device pointer). So one kernel moves a step's copies, every layer of every entry,
 straight between the cache and the entries: no staging buffer in device memory (which
 vLLM has handed to the KV cache) and no per-entry or per-layer launches. The torch index
 kernels did one launch per layer per entry and a synchronous upload of block ids per
