@@ -67,6 +67,8 @@ def test_a_column_holds_what_a_list_holds(kind: str):
 def test_refusals_change_nothing():
     with pytest.raises(ValueError, match="kind"):
         Column("x")
+    with pytest.raises(ValueError, match="not 'qq'"):
+        Column(kind="qq")
     b = Column("b")
     b.append(5)
     with pytest.raises(OverflowError):
@@ -96,6 +98,33 @@ def test_refusals_change_nothing():
     assert (list(b), list(k), len(q)) == ([5], [b"x" * 23], 0)
     b.extend(b)  # its own items, taken before it grows
     assert list(b) == [5, 5]
+
+
+def test_a_value_whose_conversion_changes_the_column_lands_where_the_column_is_now():
+    """Converting a value can run Python code (`__index__`), which could clear or grow
+    the column: the item's place is found only after, so nothing is written into freed
+    pages or past the end."""
+    col = Column("q")
+    col.extend(range(5))
+
+    class Clears:
+        def __index__(self) -> int:
+            col.clear()
+            return 7
+
+    with pytest.raises(IndexError):
+        col[1] = Clears()
+    assert len(col) == 0
+
+    class Grows:
+        def __index__(self) -> int:
+            col.extend(range(5000))  # a new page
+            return -1
+
+    col.append(Grows())
+    assert len(col) == 5001 and col[4999] == 4999 and col[5000] == -1
+    col[4096] = Grows()
+    assert len(col) == 10001 and col[4096] == -1 and col[10000] == 4999
 
 
 def test_memory_is_the_items_and_traced():

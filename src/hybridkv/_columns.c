@@ -49,56 +49,64 @@ static PyObject *get(Column *c, Py_ssize_t i) {
     }
 }
 
-/* Converts first, so a value refused changes nothing. */
-static int put(Column *c, Py_ssize_t i, PyObject *v) {
-    long long q = 0;
-    double d = 0;
+/* A value converted for a column's kind. Converting can run Python code (an object's
+ * `__index__` or `__float__`), which could change the column itself, so every caller
+ * converts first and only then finds the item's place and writes it, with no Python code
+ * in between: a refused value changes nothing, and a column changed meanwhile is
+ * written where it is now. `key` points into the value, which the caller holds. */
+typedef struct {
+    long long q;
+    double d;
+    const char *key;
+    Py_ssize_t n;
+} Value;
+
+static int convert(Column *c, PyObject *v, Value *out) {
     char *key = NULL;
-    Py_ssize_t n = 0;
     switch (c->kind) {
     case 'q':
-        q = PyLong_AsLongLong(v);
-        if (q == -1 && PyErr_Occurred())
-            return -1;
-        break;
+        out->q = PyLong_AsLongLong(v);
+        return out->q == -1 && PyErr_Occurred() ? -1 : 0;
     case 'd':
-        d = PyFloat_AsDouble(v);
-        if (d == -1.0 && PyErr_Occurred())
-            return -1;
-        break;
+        out->d = PyFloat_AsDouble(v);
+        return out->d == -1.0 && PyErr_Occurred() ? -1 : 0;
     case 'b':
-        q = PyLong_AsLongLong(v);
-        if (q == -1 && PyErr_Occurred())
+        out->q = PyLong_AsLongLong(v);
+        if (out->q == -1 && PyErr_Occurred())
             return -1;
-        if (q < -128 || q > 127) {
+        if (out->q < -128 || out->q > 127) {
             PyErr_SetString(PyExc_OverflowError, "a 'b' column holds -128..127");
             return -1;
         }
-        break;
+        return 0;
     default:
-        if (PyBytes_AsStringAndSize(v, &key, &n) < 0)
+        if (PyBytes_AsStringAndSize(v, &key, &out->n) < 0)
             return -1;
-        if (n >= KEY_ROOM) {
+        if (out->n >= KEY_ROOM) {
             PyErr_SetString(PyExc_ValueError, "a 'k' column holds keys of at most 23 bytes");
             return -1;
         }
+        out->key = key;
+        return 0;
     }
+}
+
+static void put(Column *c, Py_ssize_t i, const Value *v) {
     char *p = at(c, i);
     switch (c->kind) {
     case 'q':
-        *(long long *)p = q;
+        *(long long *)p = v->q;
         break;
     case 'd':
-        *(double *)p = d;
+        *(double *)p = v->d;
         break;
     case 'b':
-        *(signed char *)p = (signed char)q;
+        *(signed char *)p = (signed char)v->q;
         break;
     default:
-        p[0] = (char)n;
-        memcpy(p + 1, key, n);
+        p[0] = (char)v->n;
+        memcpy(p + 1, v->key, v->n);
     }
-    return 0;
 }
 
 /* Room for one more item: a new page when the last is full. */
@@ -159,8 +167,7 @@ static PyObject *Column_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
         item = 0;
     }
     if (!item || kind[1]) {
-        PyErr_Format(PyExc_ValueError, "column kind is one of q, d, b, k: not %R",
-                     PyTuple_GET_ITEM(args, 0));
+        PyErr_Format(PyExc_ValueError, "column kind is one of q, d, b, k: not '%s'", kind);
         return NULL;
     }
     Column *c = (Column *)type->tp_alloc(type, 0);
@@ -206,16 +213,19 @@ static int Column_ass_subscript(Column *c, PyObject *key, PyObject *v) {
         PyErr_SetString(PyExc_TypeError, "a column's items cannot be deleted (clear, pop)");
         return -1;
     }
+    Value value;
     Py_ssize_t i;
-    if (index_of(c, key, &i) < 0)
+    if (convert(c, v, &value) < 0 || index_of(c, key, &i) < 0)
         return -1;
-    return put(c, i, v);
+    put(c, i, &value);
+    return 0;
 }
 
 static PyObject *Column_append(Column *c, PyObject *v) {
-    if (reserve(c) < 0 || put(c, c->len, v) < 0)
+    Value value;
+    if (convert(c, v, &value) < 0 || reserve(c) < 0)
         return NULL;
-    c->len++;
+    put(c, c->len++, &value);
     Py_RETURN_NONE;
 }
 
