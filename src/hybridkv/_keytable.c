@@ -311,10 +311,16 @@ static PyObject *bulk(KeyTable *t, PyObject *keys, int mode, PyObject *dflt) {
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    /* Making a list can run a collection, and so Python code that changes `keys`: their
+     * items are read only after it (nothing below allocates a tracked object). */
     PyObject *out = PyList_New(mode == GET_MANY ? n : 0);
     if (out == NULL)
         goto fail;
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyErr_SetString(PyExc_RuntimeError, "keys changed size during the lookup");
+        goto fail;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t start = 0; start < n; start += BATCH) {
         Py_ssize_t end = start + BATCH < n ? start + BATCH : n;
         uint64_t hashes[BATCH];
