@@ -38,7 +38,10 @@ another source with `PYTHONPATH=<its src>` (the "before" of docs/benchmarks.md).
 
 `--step-tokens N`: the stream's prefills capped at N tokens a step, as vLLM's token budget
 spreads a long prompt's prefill, and so its stores, over several steps (by default each
-prefill stores everything in the step after its lookup).
+prefill stores everything in the step after its lookup). It counts the prefills split so,
+and the most waiting at once: a budget below what the stream asks a step on average
+(about 2,000 tokens) leaves a backlog that grows without end, which measures an
+overloaded server, not the scheduler side.
 `--row-growth N`: the boundary table grown to N rows, its longest addition (`row_growth`).
 
     .venv/bin/python bench/lookup.py --prompt-tokens 32768
@@ -225,6 +228,8 @@ class Serving:
         # `prefilling` as [request, next chunk to store, hit]. None: a whole prefill a step.
         self.step_tokens = step_tokens
         self.prefilling: list[list] = []
+        self.prefills = self.split = 0  # prefills begun; of those, carried past a step
+        self.backlog = 0  # the most prefills waiting for the budget at once
         self.running: list[tuple[int, object]] = []  # (finishing step, request)
         self.promoted: list[bytes] = []  # promotions ordered last step
         self.n = 0
@@ -310,6 +315,10 @@ class Serving:
             else:
                 self.prefilling.append([req, last, hit])
         elapsed = clock() - t0
+        fresh = {id(req) for req, _ in self.prefilled}
+        self.split += sum(id(p[0]) in fresh for p in self.prefilling)
+        self.prefills += len(fresh)
+        self.backlog = max(self.backlog, len(self.prefilling))
         for req in done:
             self.running.append((self.n + self.rng.randint(2, 6), req))
         self.prefilled = []
@@ -392,6 +401,7 @@ def serving(
         gc.collect()
         gc.freeze()
     total, without, vllm, hits = [], [], [], stream.hit_tokens
+    prefills, split, stream.backlog = stream.prefills, stream.split, 0
     for _ in range(steps):
         secs, hashing = stream.step()
         total.append(secs)
@@ -408,6 +418,9 @@ def serving(
         "evictions": index.stats.cpu_evictions,
         "promotions": index.stats.promotions,
         "hit tokens per step": (stream.hit_tokens - hits) / steps,
+        "prefills": stream.prefills - prefills,
+        "prefills split over steps": stream.split - split,
+        "most prefills waiting for the budget": stream.backlog,
     }
     stream.time_index()
     in_index = []
