@@ -1,6 +1,7 @@
 #!/bin/bash
 # Every check that needs a CUDA device, in one run (a lent GPU machine's time is short):
-# the CUDA tests and the step-order harness, the copy path at two batch sizes, the copy
+# the CUDA tests and the step-order harness, the copy path at two batch sizes (cut into
+# launches and in one, side by side) and the parts of a one-launch batch, the copy
 # kernel alone under compute-sanitizer's memcheck, racecheck and synccheck
 # (bench/gpu_sanitize.py: one harness case under racecheck gave no result in 355 s and
 # 377 s on an H200, its matrix products slowed by the sanitizer), the forward stall at the
@@ -27,6 +28,7 @@ step() { echo "== $1 (t=${SECONDS}s)"; shift; "$@"; echo "rc=$?"; }
   step tests timeout 170 $py -m pytest -q -p no:cacheprovider tests/test_cuda_rows.py \
     tests/test_copy_engine_cuda.py tests/test_step_replay.py
   step "copy 1 GiB" timeout 80 $py bench/gpu_copy.py --json "$out/gpu_copy.json"
+  step "copy 1 GiB, its parts" timeout 40 $py bench/gpu_copy_parts.py
   for tool in memcheck racecheck synccheck; do
     step "$tool, copy kernel alone" timeout 90 compute-sanitizer --tool "$tool" \
       --error-exitcode 9 $py bench/gpu_sanitize.py
