@@ -240,11 +240,13 @@ def qwen_entries(model_dirs) -> tuple[int, list[tuple[str, int]]]:
 def test_a_state_leaving_cpu_memory_retracts_the_blocks_past_the_previous_boundary(
     model_dirs, tmp_path, qwen_entries
 ):
-    """A document (boundary at 512) and two questions on it (boundaries at 768) fill a
-    CPU budget sized to hold just them; an unrelated prompt then needs room, and hybridkv
-    evicts the older question's boundary (a leaf: its states and the chunk only it
-    needed; the document, a branch point, stays). Its blocks past 512 are retracted on
-    CPU, the document's are not: it still resumes both questions' shared prefix."""
+    """A document (boundary at two chunks) and two questions on it (boundaries at three)
+    fill a CPU budget sized to hold just them; an unrelated prompt then needs room, and
+    hybridkv evicts the older question's boundary (a leaf: its states and the chunk only
+    it needed; the document, a branch point, stays). Its blocks past two chunks are
+    retracted on CPU, the document's are not: it still resumes both questions' shared
+    prefix. Lengths are in parts of a chunk, which vLLM's CPU build sizes by the
+    machine's vector unit (256 tokens with AVX-512, 128 without)."""
     chunk, groups = qwen_entries
     states = sum(b for kind, b in groups if kind == "state")
     attention = sum(b for kind, b in groups if kind != "state")
@@ -252,9 +254,10 @@ def test_a_state_leaving_cpu_memory_retracts_the_blocks_past_the_previous_bounda
     budget = held + (attention + states) // 2  # the unrelated prompt does not fit beside
     r = Replica(model_dirs["qwen3-next"], tmp_path, "tight", {"cpu_bytes": str(budget)})
     try:
-        doc = tokens(2 * chunk + 88, SEED * 100 + 40)
-        q1 = doc + tokens(chunk + 44, SEED * 100 + 41)
-        q2 = doc + tokens(chunk + 44, SEED * 100 + 42)
+        # The document ends within its third chunk, the questions within their fourth.
+        doc = tokens(2 * chunk + chunk * 11 // 32, SEED * 100 + 40)
+        q1 = doc + tokens(chunk + chunk * 11 // 64, SEED * 100 + 41)
+        q2 = doc + tokens(chunk + chunk * 11 // 64, SEED * 100 + 42)
         for p in (doc, q1, q2):
             r.run(p)
         full = next(g for g, (kind, _) in enumerate(groups) if kind == "full")
@@ -266,7 +269,7 @@ def test_a_state_leaving_cpu_memory_retracts_the_blocks_past_the_previous_bounda
         q1_own = hashes[2 * chunk // bs : 3 * chunk // bs]
         doc_blocks = hashes[: 2 * chunk // bs]
         before = len(r.stream.events)
-        r.run(tokens(chunk + 44, SEED * 100 + 43))
+        r.run(tokens(chunk + chunk * 11 // 64, SEED * 100 + 43))
         r.wait("a retraction", lambda: bool(ours(r.stream.events[before:], "CPU", stored=False)))
         removed = ours(r.stream.events[before:], "CPU", stored=False, group=full)
         assert set(removed) == set(q1_own), (removed, q1_own)
