@@ -27,10 +27,11 @@ takes the index's orders and applies the workers' reports of the promotions, as
 `build_meta` and `update_connector_output` do. The stream fills CPU memory first (its
 longest step reported: the index's tables grow then), then every scheduler-side call of
 each of `--serve-steps` steps is timed: p50, p99 and max of a step, with and without the
-chain keys of new prompts (blake3 over the
-prompt, about 0.3 ms for 24k tokens whatever the index holds, timed on their own); for
-scale, the block hashes vLLM's engine core computes for the same new prompts on the same
-thread (`vllm_request_hashes`, timed apart); and one full collection of the garbage
+chain keys of new prompts (timed on their own: blake3 over the
+prompt, about 0.3 ms for 24k tokens whatever the index holds, or over its tail where it
+extends a prompt keyed lately, found by vLLM's block hashes: core/keys.py's `ChainMemo`);
+for scale, the requests built with those block hashes, as vLLM's engine core builds them
+before its scheduler sees them (`vllm_request_hashes`, timed apart); and one full collection of the garbage
 collector at the end (`serving`). Memory: a
 second run of the same fill under tracemalloc; what code of hybridkv and of
 sortedcontainers allocated and still holds, per entry in CPU memory. Run it against
@@ -88,27 +89,29 @@ def layout() -> Layout:
     return Layout("bench/lookup", (full, *states))
 
 
-def request(req_id: str, prompt: list[int]):
+def request(req_id: str, prompt: list[int], block_hasher: Callable | None = None):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    return Request(req_id, prompt, SamplingParams(max_tokens=1), None)
+    return Request(req_id, prompt, SamplingParams(max_tokens=1), None, block_hasher=block_hasher)
 
 
-def vllm_request_hashes(prompt: list[int], block: int) -> object:
-    """What vLLM's engine core does for every new request on the thread the scheduler
-    side runs on: a `Request` with its block hashes (default `sha256`), blocks of
-    `block` tokens (vLLM hashes a hybrid model's prompt at the GCD of its groups' block
-    sizes: this layout's chunk; a model with attention alone at its block size, 16)."""
-    from vllm import SamplingParams
+def vllm_hasher(block: int) -> Callable:
+    """vLLM's block hasher (default `sha256`) for blocks of `block` tokens: vLLM hashes a
+    hybrid model's prompt at the GCD of its groups' block sizes (this layout's chunk), a
+    model with attention alone at its block size (16)."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
 
     sha256 = get_hash_fn_by_name("sha256")
     init_none_hash(sha256)
-    hasher = get_request_block_hasher(block, sha256)
-    return Request("vllm", prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+    return get_request_block_hasher(block, sha256)
+
+
+def vllm_request_hashes(prompt: list[int], block: int) -> object:
+    """What vLLM's engine core does for every new request before the scheduler sees it:
+    a `Request` with its block hashes, blocks of `block` tokens."""
+    return request("vllm", prompt, vllm_hasher(block))
 
 
 def side_with(capacity: int, disk: bool = False) -> SchedulerSide:
@@ -200,7 +203,6 @@ class Serving:
         self,
         entries: int,
         seed: int = 27,
-        vllm_scale: bool = False,
         step_tokens: int | None = None,
     ):
         lay = layout()
@@ -214,8 +216,20 @@ class Serving:
         self.probe = Probe("redis", lambda keys: [k in self.shared for k in keys], ttl_s=1.0)
         index = StoreIndex(int(entries * MEAN_ENTRY), recurrent=True)
         policy = CheckpointPolicy("prompt_and_end", planner.chunk_tokens)
+        # Requests come with vLLM's block hashes, as its engine core builds them on its
+        # input thread, and the chain keys of a prompt extending one seen lately are
+        # found from those (core/keys.py's `ChainMemo`), as in the engine.
+        self.hasher = vllm_hasher(BLOCK)
         self.side = SchedulerSide(
-            lay, planner, policy, index, True, True, tiers=[("redis", 1.0)], probe=self.probe
+            lay,
+            planner,
+            policy,
+            index,
+            True,
+            True,
+            tiers=[("redis", 1.0)],
+            probe=self.probe,
+            hash_block_size=BLOCK,
         )
         self.heads = [self._draw(HEAD_CHUNKS * BLOCK) for _ in range(SYSTEM_PROMPTS)]
         # Open conversations' last prompts (arrays: a list of ints per token would make
@@ -235,9 +249,8 @@ class Serving:
         self.n = 0
         self.hit_tokens = 0
         self.index_seconds = 0.0
-        # With `vllm_scale`, the last step's `vllm_request_hashes` of its new prompts (off
-        # by default: its untimed work between a step's timed parts would cool the caches)
-        self.vllm_scale = vllm_scale
+        # For scale, not part of the step's time: the last step's new requests built with
+        # their block hashes, vLLM's own work on another thread (`vllm_request_hashes`).
         self.vllm_seconds = 0.0
 
     def _draw(self, n: int) -> np.ndarray:
@@ -323,18 +336,14 @@ class Serving:
             self.running.append((self.n + self.rng.randint(2, 6), req))
         self.prefilled = []
         # Lookups: the waiting ones again, then this step's new requests.
-        new = [
-            request(f"r{self.n}-{i}", self._prompt()) for i in range(self.rng.choice((0, 1, 1, 2)))
-        ]
+        prompts = [self._prompt() for _ in range(self.rng.choice((0, 1, 1, 2)))]
+        t0 = clock()
+        new = [request(f"r{self.n}-{i}", p, self.hasher) for i, p in enumerate(prompts)]
+        self.vllm_seconds = clock() - t0
         t0 = clock()
         for req in new:  # a request's chain keys, computed at its first lookup
             side._keys(side._state(req), req.num_prompt_tokens)
         hashing = clock() - t0
-        t0 = clock()
-        if self.vllm_scale:  # for scale, not part of the step's time: vLLM's own
-            for req in new:
-                vllm_request_hashes(req.prompt_token_ids, BLOCK)
-        self.vllm_seconds = clock() - t0
         t0 = clock()
         waiting, self.waiting = self.waiting + new, []
         for req in waiting:
@@ -388,7 +397,7 @@ def serving(
     have grown by a quarter (CPython 3.11), on the scheduler's thread, whatever step it
     falls in."""
     # Built before the freeze, as vLLM builds its scheduler.
-    stream = Serving(entries, vllm_scale=True, step_tokens=step_tokens)
+    stream = Serving(entries, step_tokens=step_tokens)
     gc.collect()
     gc.freeze()
     index = stream.side.index

@@ -13,7 +13,14 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from hybridkv.core.keys import KEY_BYTES, chain_seed, chunk_keys, extend_chain, group_key
+from hybridkv.core.keys import (
+    KEY_BYTES,
+    ChainMemo,
+    chain_seed,
+    chunk_keys,
+    extend_chain,
+    group_key,
+)
 from hybridkv.core.layout import GroupKind, GroupSpec, Layout
 
 TOKEN = st.integers(0, 2**32 - 1)  # token ids fill the whole uint32 range
@@ -271,3 +278,65 @@ def test_extend_chain_with_extras_incrementally_equals_all_at_once(
 def test_chunk_extras_must_cover_every_new_chunk():
     with pytest.raises(ValueError, match="2 chunk extras for 3 chunks"):
         chunk_keys(bytes(KEY_BYTES), list(range(12)), 4, lambda f, e, c: [b""] * 2)
+
+
+def _prefix_fingerprints(tokens: list[int], chunk: int) -> list[bytes]:
+    """A fingerprint per chunk boundary that names the whole prefix (as vLLM's block
+    hashes do): here the prefix itself."""
+    return [
+        struct.pack(f"<{(c + 1) * chunk}I", *tokens[: (c + 1) * chunk])
+        for c in range(len(tokens) // chunk)
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=SEED,
+    other_seed=SEED,
+    chunk=CHUNK,
+    stride=st.integers(1, 5),
+    capacity=st.integers(1, 40),
+    turns=st.lists(
+        st.tuples(st.integers(0, 8), st.lists(TOKEN, max_size=24), st.booleans()), max_size=12
+    ),
+)
+def test_chain_memo_recalls_only_exact_prefixes(seed, other_seed, chunk, stride, capacity, turns):
+    """Prompts that extend or fork from earlier ones, under two seeds: every recall is a
+    prefix of the prompt's true chain under the seed asked (never another prompt's or
+    seed's keys), and a prompt just remembered is recalled whole."""
+    memo = ChainMemo(capacity=capacity, stride=stride)
+    prompts: list[list[int]] = [[]]
+    for parent, tail, salted in turns:
+        base = prompts[parent % len(prompts)]
+        tokens = base + tail
+        s = other_seed if salted else seed
+        want = chunk_keys(s, tokens, chunk)
+        fps = _prefix_fingerprints(tokens, chunk)
+        got = memo.recall(s, fps)
+        assert got == want[: len(got)]
+        chain = list(got)
+        extend_chain(chain, s, tokens, chunk)
+        assert chain == want
+        memo.remember(s, fps, chain)
+        assert len(memo) <= capacity
+        if want:  # its last chunk is remembered last: recalled whole
+            assert memo.recall(s, fps + [b"unknown"]) == want
+        for x in (seed, other_seed):  # under either seed: that seed's keys, or none
+            r = memo.recall(x, fps)
+            assert r == chunk_keys(x, tokens, chunk)[: len(r)]
+        prompts.append(tokens)
+
+
+def test_chain_memo_fork_rehashes_less_than_a_stride():
+    """A prompt forking from the middle of a remembered one recalls up to the last
+    remembered boundary at or before the fork: at most stride - 1 chunks short."""
+    seed, chunk, stride = bytes(KEY_BYTES), 4, 8
+    memo = ChainMemo(stride=stride)
+    first = list(range(1000, 1000 + 30 * chunk))  # 30 chunks
+    memo.remember(seed, _prefix_fingerprints(first, chunk), chunk_keys(seed, first, chunk))
+    for fork in range(0, 30):
+        tokens = first[: fork * chunk] + [7] * (5 * chunk)
+        got = memo.recall(seed, _prefix_fingerprints(tokens, chunk))
+        assert got == chunk_keys(seed, tokens, chunk)[: len(got)]
+        assert fork - len(got) < stride and len(got) % stride == 0 and len(got) <= fork
+    assert memo.recall(bytes([1]) * KEY_BYTES, _prefix_fingerprints(first, chunk)) == []

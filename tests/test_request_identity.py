@@ -9,6 +9,7 @@ must differ exactly where vLLM's block hashes differ.
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,8 +22,13 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
+from hybridkv.core.index import StoreIndex
 from hybridkv.core.keys import chain_seed, chunk_keys, extend_chain
+from hybridkv.core.layout import GroupKind, GroupSpec, Layout
+from hybridkv.core.planner import Planner
+from hybridkv.core.policy import CheckpointPolicy
 from hybridkv.vllm.request_identity import key_context
+from hybridkv.vllm.scheduler_side import SchedulerSide
 
 C = 4  # chunk tokens
 FP = bytes(range(16))  # a layout fingerprint
@@ -231,3 +237,67 @@ def test_unkeyable_requests_are_refused():
     assert key_context(_request(resumable=True), FP) is None
     unnamed = _request(_image_tokens((5, 8)), mm_features=[_image("", 5, 8)])
     assert key_context(unnamed, FP) is None
+
+
+def _side(hash_block_size: int | None) -> SchedulerSide:
+    layout = Layout(
+        "memo",
+        (GroupSpec(GroupKind.FULL, C, 64, ("attn",)), GroupSpec(GroupKind.STATE, C, 32, ("gdn",))),
+    )
+    planner = Planner(layout.groups)
+    policy = CheckpointPolicy("prompt_and_end", C)
+    index = StoreIndex(1 << 20, recurrent=True)
+    return SchedulerSide(
+        layout, planner, policy, index, True, False, hash_block_size=hash_block_size
+    )
+
+
+@pytest.mark.parametrize("hash_block", [C, C // 2])
+def test_keys_found_by_vllm_block_hashes_are_the_keys_hashed(hash_block):
+    """The scheduler side keys a prompt extending one seen lately from vLLM's block hashes
+    (core/keys.py's `ChainMemo`): across seeded conversations that continue, fork,
+    change salt or LoRA adapter, and carry images or embeddings, every request's keys
+    equal those hashed from its tokens, and the memo did serve some of them."""
+    seed = 20261127
+    print("seed", seed)
+    rng = random.Random(seed)
+    side = _side(hash_block)
+    hasher = get_request_block_hasher(hash_block, sha256)
+    fp = side.layout.fingerprint
+    prompts: list[list[int]] = [list(range(1, 1 + 3 * C))]
+    memo, recalled = side._memo, []  # (kind, chunks recalled) of every recall
+    assert memo is not None
+    recall = memo.recall
+    memo.recall = lambda *a: recalled.append((kind, len(got := recall(*a)))) or got
+    for i in range(300):
+        base = rng.choice(prompts)
+        base = base[: rng.randrange(len(base) + 1)] if rng.random() < 0.3 else base
+        tokens = base + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 3 * C))]
+        prompts.append(tokens)
+        kind = rng.choice(["plain", "plain", "plain", "salt", "lora", "image", "embeds"])
+        kw: dict = {
+            "salt": {"cache_salt": "tenant"},
+            "lora": {"lora_request": _lora("A")},
+            "image": {"mm_features": [_image("img-a", 0, min(3, len(tokens)))]},
+            "embeds": {"prompt_embeds": torch.ones(len(tokens), 4)},
+        }.get(kind, {})
+        request = Request(
+            request_id=f"r{i}",
+            prompt_token_ids=None if kind == "embeds" else tokens,
+            sampling_params=SamplingParams(max_tokens=4),
+            pooling_params=None,
+            block_hasher=hasher,
+            **kw,
+        )
+        keys = side._keys(side._state(request), request.num_tokens)
+        ctx = key_context(request, fp)
+        assert ctx is not None
+        assert keys == chunk_keys(ctx.seed, request.all_token_ids, C, ctx.chunk_extras), (i, kind)
+    assert {k for k, _ in recalled} == {"plain", "salt", "lora"}  # extras: hashed whole
+    assert sum(n for _, n in recalled) > 0
+
+
+def test_no_memo_without_whole_hash_blocks_per_chunk():
+    assert _side(None)._memo is None
+    assert _side(3)._memo is None  # a chunk of 4 tokens is no whole number of 3-token blocks
+    assert _side(C)._memo is not None

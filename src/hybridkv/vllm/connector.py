@@ -95,6 +95,8 @@ T = TypeVar("T")
 # keeps the share; this only stops runaway growth (a step's stores land before its
 # evictions).
 _CPU_BOUND_FACTOR = 2
+# vLLM's prefix-caching hashes whose block hashes may stand for a prefix's tokens.
+_SAFE_BLOCK_HASHES = ("sha256", "sha256_cbor")
 
 
 def check_process_layout(vllm_config: VllmConfig) -> None:
@@ -241,6 +243,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 # (no async scheduling, no pipeline stages) no step overlaps the next.
                 stores_land_in_step=vllm_config.device_config.device_type == "cpu"
                 and vllm_config.max_concurrent_batches == 1,
+                # vLLM's block hashes stand for a prefix's tokens only where a collision
+                # cannot be made: xxhash's can (core/keys.py's `ChainMemo`).
+                hash_block_size=kv_cache_config.hash_block_size
+                if vllm_config.cache_config.prefix_caching_hash_algo in _SAFE_BLOCK_HASHES
+                else None,
             )
             if enabled:
                 check_load_failure_policy(vllm_config)

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from hybridkv.core.index import StoreIndex, WorkerReport
-from hybridkv.core.keys import extend_chain, group_key, group_keys, split_group_key
+from hybridkv.core.keys import ChainMemo, extend_chain, group_key, group_keys, split_group_key
 from hybridkv.core.keytable import first_found
 from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.metrics import Figures
@@ -142,6 +142,7 @@ class SchedulerSide:
         split_guard: SplitGuard | None = None,
         events: KVEvents | None = None,
         stores_land_in_step: bool = False,
+        hash_block_size: int | None = None,
     ):
         """`below`: the workers have a tier below CPU memory that takes stores (one
         without CPU room still goes there). `tiers`: the tiers below CPU memory a hit
@@ -154,7 +155,11 @@ class SchedulerSide:
         requests of its step (a CPU cache with one batch in flight, i.e. neither async
         scheduling nor pipeline stages: the workers' copies run within `wait_for_save`,
         before the step's output comes back, and no later step is scheduled meanwhile),
-        so no finished request's blocks need keeping (`request_finished`)."""
+        so no finished request's blocks need keeping (`request_finished`).
+        `hash_block_size`: the tokens a block hash of vLLM's fingerprints, where that
+        hash is collision resistant (sha256); then chains are remembered under those
+        hashes and a prompt extending one seen lately hashes only its tail
+        (core/keys.py's `ChainMemo`). None: every prompt is keyed whole."""
         self.layout = layout
         self.planner = planner
         self.policy = policy
@@ -169,6 +174,12 @@ class SchedulerSide:
         if events is not None:
             index.listener = events
         self._fingerprint = layout.fingerprint
+        C = planner.chunk_tokens
+        # vLLM's block hashes a chunk spans, where whole blocks make a chunk.
+        self._hashes_per_chunk = (
+            C // hash_block_size if hash_block_size and not C % hash_block_size else 0
+        )
+        self._memo = ChainMemo() if self._hashes_per_chunk else None
         self._reqs: dict[str, _RequestState] = {}
         self._loads: list[RequestLoad] = []
         self._load_pins: list[bytes] = []  # released once the loads are sent
@@ -208,8 +219,19 @@ class SchedulerSide:
         C = self.planner.chunk_tokens
         if len(st.keys) >= num_tokens // C:
             return st.keys  # keyed already: slicing a 24k-token prompt again costs 20 us
-        tokens = st.request.all_token_ids
-        return extend_chain(st.keys, st.ctx.seed, tokens, C, st.ctx.chunk_extras, num_tokens)
+        request = st.request
+        memo = self._memo
+        if memo is None or st.keys or request.mm_features or request.prompt_embeds is not None:
+            # Chunk extras, or keyed in part: the memo does not apply (`ChainMemo`).
+            return extend_chain(
+                st.keys, st.ctx.seed, request.all_token_ids, C, st.ctx.chunk_extras, num_tokens
+            )
+        r = self._hashes_per_chunk
+        fingerprints = request.block_hashes[r - 1 : num_tokens // C * r : r]
+        st.keys.extend(memo.recall(st.ctx.seed, fingerprints))
+        extend_chain(st.keys, st.ctx.seed, request.all_token_ids, C, None, num_tokens)
+        memo.remember(st.ctx.seed, fingerprints, st.keys)
+        return st.keys
 
     def num_new_matched_tokens(self, request: Request, local_tokens: int) -> int | None:
         """The hit beyond vLLM's own, or None ("ask again") while disk entries it needs
