@@ -19,7 +19,7 @@ setup: $(STAMP)
 	      "install it with: sudo apt-get install -y redis-server"; \
 	  fi; }
 
-$(STAMP): pyproject.toml setup.py src/hybridkv/_rowcopy.c src/hybridkv/_keytable.c src/hybridkv/_columns.c Makefile
+$(STAMP): pyproject.toml setup.py src/hybridkv/_rowcopy.c src/hybridkv/_keytable.c src/hybridkv/_columns.c src/hybridkv/_roworder.c Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[cpu,dev]'

@@ -245,8 +245,9 @@ def test_a_state_leaving_cpu_memory_retracts_the_blocks_past_the_previous_bounda
     hybridkv evicts the older question's boundary (a leaf: its states and the chunk only
     it needed; the document, a branch point, stays). Its blocks past two chunks are
     retracted on CPU, the document's are not: it still resumes both questions' shared
-    prefix. Lengths are in parts of a chunk, which vLLM's CPU build sizes by the
-    machine's vector unit (256 tokens with AVX-512, 128 without)."""
+    prefix. Lengths are in parts of a chunk, which differs by machine: vLLM's CPU build
+    keeps recurrent states in float32 where the CPU has AVX-512 BF16 (256-token chunks
+    here), in bfloat16 elsewhere (128)."""
     chunk, groups = qwen_entries
     states = sum(b for kind, b in groups if kind == "state")
     attention = sum(b for kind, b in groups if kind != "state")
