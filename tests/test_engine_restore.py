@@ -8,7 +8,7 @@ reference everywhere: on some CPUs the kernels round differently with the batch 
 from __future__ import annotations
 
 import pytest
-from conftest import tokens
+from conftest import real_difference, tokens
 
 from hybridkv.core.keys import group_key
 from hybridkv.core.layout import GroupKind
@@ -90,8 +90,10 @@ def test_shared_prefix_hits_only_shared_part(engine):
     restored = generate(llm, [second])[0]
     assert restored.num_cached_tokens == shared // C * C
     native = generate(llm, [second])[0]  # vLLM's own cache now holds all of `second`
-    assert restored.token_ids == native.token_ids
-    assert restored.logprobs == native.logprobs
+    # The restored run computed the 300-odd tokens past its hit, the native one only the
+    # last: other batch shapes, so the CPU kernels' rounding (on an AMD EPYC without
+    # AVX-512, gpt-oss's first logprob moved by 3e-5).
+    assert real_difference(restored, native) is None, (restored, native)
     llm.reset_prefix_cache()
 
 
