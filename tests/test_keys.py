@@ -14,6 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.core.keys import (
+    FINGERPRINT_COST,
     KEY_BYTES,
     ChainMemo,
     chain_seed,
@@ -295,16 +296,17 @@ def _prefix_fingerprints(tokens: list[int], chunk: int) -> list[bytes]:
     other_seed=SEED,
     chunk=CHUNK,
     stride=st.integers(1, 5),
-    capacity=st.integers(1, 40),
+    max_bytes=st.integers(0, 6000),
     turns=st.lists(
         st.tuples(st.integers(0, 8), st.lists(TOKEN, max_size=24), st.booleans()), max_size=12
     ),
 )
-def test_chain_memo_recalls_only_exact_prefixes(seed, other_seed, chunk, stride, capacity, turns):
+def test_chain_memo_recalls_only_exact_prefixes(seed, other_seed, chunk, stride, max_bytes, turns):
     """Prompts that extend or fork from earlier ones, under two seeds: every recall is a
     prefix of the prompt's true chain under the seed asked (never another prompt's or
-    seed's keys), and a prompt just remembered is recalled whole."""
-    memo = ChainMemo(capacity=capacity, stride=stride)
+    seed's keys), what it holds is counted exactly and kept within its bound, and a
+    prompt just remembered is recalled whole if it fits."""
+    memo = ChainMemo(max_bytes=max_bytes, stride=stride)
     prompts: list[list[int]] = [[]]
     for parent, tail, salted in turns:
         base = prompts[parent % len(prompts)]
@@ -318,9 +320,11 @@ def test_chain_memo_recalls_only_exact_prefixes(seed, other_seed, chunk, stride,
         extend_chain(chain, s, tokens, chunk)
         assert chain == want
         memo.remember(s, fps, chain)
-        assert len(memo) <= capacity
-        if want:  # its last chunk is remembered last: recalled whole
-            assert memo.recall(s, fps + [b"unknown"]) == want
+        # Counted exactly (each joined chain once), and within the bound.
+        held = {id(v[1]): len(v[1]) for v in memo._chains.values()}
+        assert memo.nbytes == sum(held.values()) + FINGERPRINT_COST * len(memo) <= max_bytes
+        if want and FINGERPRINT_COST + KEY_BYTES * len(want) <= max_bytes:
+            assert memo.recall(s, fps + [b"unknown"]) == want  # remembered last: whole
         for x in (seed, other_seed):  # under either seed: that seed's keys, or none
             r = memo.recall(x, fps)
             assert r == chunk_keys(x, tokens, chunk)[: len(r)]

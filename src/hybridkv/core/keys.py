@@ -107,6 +107,11 @@ def chunk_keys(
     return extend_chain([], seed, tokens, chunk_tokens, chunk_extras)
 
 
+# What a remembered fingerprint costs beyond its chain's keys: its place in the map, the
+# fingerprint (vLLM's: a 32-byte bytes object) and the value's tuple.
+FINGERPRINT_COST = 200
+
+
 class ChainMemo:
     """Chains keyed lately, found again by the engine's own fingerprint of a prefix.
 
@@ -126,16 +131,20 @@ class ChainMemo:
     anything less certain is a miss, and a miss costs what keying cost before.
 
     Remembered: a chain's last chunk and every `stride`-th one (a prompt that forks from
-    the middle of an earlier one rehashes at most `stride` - 1 chunks), least recently
-    recalled or remembered out first past `capacity` fingerprints. A value is the seed
-    and the chain's keys joined into one bytes object, shared by that chain's
-    fingerprints: nothing the garbage collector walks, 16 bytes a key.
+    the middle of an earlier one rehashes at most `stride` - 1 chunks). A value is the
+    seed and the chain's keys joined into one bytes object, shared by that chain's
+    fingerprints: nothing the garbage collector walks, 16 bytes a key. What it holds is
+    counted (`nbytes`: each joined chain once, FINGERPRINT_COST per fingerprint) and
+    kept under `max_bytes`, least recently recalled or remembered out first, whatever
+    the prompts' lengths.
     """
 
-    def __init__(self, capacity: int = 16384, stride: int = 8):
-        self.capacity = capacity
+    def __init__(self, max_bytes: int = 32 << 20, stride: int = 16):
+        self.max_bytes = max_bytes
         self.stride = stride
+        self.nbytes = 0
         self._chains: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
+        self._refs: dict[int, int] = {}  # id of a joined chain -> fingerprints holding it
 
     def __len__(self) -> int:
         return len(self._chains)
@@ -162,13 +171,31 @@ class ChainMemo:
         chains, value = self._chains, (seed, b"".join(chain[:n]))
         for c in (*range(self.stride - 1, n - 1, self.stride), n - 1):
             fp = fingerprints[c]
+            old = chains.get(fp)
+            if old is None:
+                self.nbytes += FINGERPRINT_COST
+            else:
+                self._release(old[1])
             chains[fp] = value
             chains.move_to_end(fp)
-        while len(chains) > self.capacity:
-            chains.popitem(last=False)
+            self._hold(value[1])
+        while self.nbytes > self.max_bytes:
+            self.nbytes -= FINGERPRINT_COST
+            self._release(chains.popitem(last=False)[1][1])
 
-    def clear(self) -> None:
-        self._chains.clear()
+    def _hold(self, joined: bytes) -> None:
+        n = self._refs.get(id(joined), 0)  # (held by the map while counted here)
+        if not n:
+            self.nbytes += len(joined)
+        self._refs[id(joined)] = n + 1
+
+    def _release(self, joined: bytes) -> None:
+        n = self._refs[id(joined)] - 1
+        if n:
+            self._refs[id(joined)] = n
+        else:
+            del self._refs[id(joined)]
+            self.nbytes -= len(joined)
 
 
 _GROUP_SUFFIX = tuple(g.to_bytes(2, "big") for g in range(256))
