@@ -122,6 +122,18 @@ static int parse_key(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, d
     return 0;
 }
 
+/* (key, seq) from the arguments, and its place (`find`): -1 on a bad argument, 0 in an
+ * empty order (no place), 1 with `chunk` and `at` set. */
+static int locate(RowOrder *o, PyObject *const *args, Py_ssize_t nargs, double *key,
+                  long long *seq, Py_ssize_t *chunk, Py_ssize_t *at) {
+    if (parse_key(args, nargs, 2, key, seq) < 0)
+        return -1;
+    if (!o->count)
+        return 0;
+    find(o, *key, *seq, chunk, at);
+    return 1;
+}
+
 static PyObject *item_tuple(const Item *it) {
     return Py_BuildValue("(dLL)", it->key, it->seq, it->row);
 }
@@ -207,12 +219,11 @@ static PyObject *RowOrder_add(RowOrder *o, PyObject *const *args, Py_ssize_t nar
 static PyObject *RowOrder_remove(RowOrder *o, PyObject *const *args, Py_ssize_t nargs) {
     double key;
     long long seq;
-    if (parse_key(args, nargs, 2, &key, &seq) < 0)
-        return NULL;
     Py_ssize_t i, at;
-    if (o->count)
-        find(o, key, seq, &i, &at);
-    if (!o->count || at == o->chunks[i]->n || o->chunks[i]->items[at].key != key ||
+    int found = locate(o, args, nargs, &key, &seq, &i, &at);
+    if (found < 0)
+        return NULL;
+    if (!found || at == o->chunks[i]->n || o->chunks[i]->items[at].key != key ||
         o->chunks[i]->items[at].seq != seq) {
         PyObject *missing = Py_BuildValue("(dL)", key, seq);
         if (missing) {
@@ -247,12 +258,10 @@ static PyObject *RowOrder_remove(RowOrder *o, PyObject *const *args, Py_ssize_t 
 static PyObject *RowOrder_position(RowOrder *o, PyObject *const *args, Py_ssize_t nargs) {
     double key;
     long long seq;
-    if (parse_key(args, nargs, 2, &key, &seq) < 0)
-        return NULL;
-    if (!o->count)
-        return PyLong_FromLong(0);
     Py_ssize_t i, at, n = 0;
-    find(o, key, seq, &i, &at);
+    int found = locate(o, args, nargs, &key, &seq, &i, &at);
+    if (found <= 0)
+        return found < 0 ? NULL : PyLong_FromLong(0);
     if (2 * i <= o->count) {
         for (Py_ssize_t j = 0; j < i; j++)
             n += o->chunks[j]->n;
