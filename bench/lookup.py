@@ -31,9 +31,9 @@ chain keys of new prompts (timed on their own: blake3 over the
 prompt, about 0.3 ms for 24k tokens whatever the index holds, or over its tail where it
 extends a prompt keyed lately, found by vLLM's block hashes: core/keys.py's `ChainMemo`);
 for scale, the requests built with those block hashes, as vLLM's engine core builds them
-before its scheduler sees them (`vllm_request_hashes`, timed apart); and one full collection of the garbage
-collector at the end (`serving`). Memory: a
-second run of the same fill under tracemalloc; what code of hybridkv and of
+before its scheduler sees them (`vllm_request_hashes`, timed apart); and one full
+collection of the garbage collector at the end (`serving`). Memory: a second run of the
+same fill under tracemalloc; what code of hybridkv and of
 sortedcontainers allocated and still holds, per entry in CPU memory. Run it against
 another source with `PYTHONPATH=<its src>` (the "before" of docs/benchmarks.md).
 
