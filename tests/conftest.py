@@ -121,17 +121,25 @@ class _Zygote:
 
 
 class _Forked:
-    """The engine process a zygote forked: what the tests use of `subprocess.Popen`."""
+    """A process the zygote forked (an engine process, or with `argv` a server's API
+    server): what the tests use of `subprocess.Popen`."""
 
-    def __init__(self, stdin: int, stdout: int) -> None:
+    def __init__(
+        self,
+        stdin: int,
+        stdout: int,
+        env: dict[str, str] | None = None,
+        argv: list[str] | None = None,
+    ) -> None:
         import json
         import socket
 
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._conn.connect(_Zygote.get().path)
-        env = json.dumps(_child_env()).encode()
-        self._conn.sendall(len(env).to_bytes(8, "little"))
-        socket.send_fds(self._conn, [env], [stdin, stdout])
+        request = {"env": _child_env() if env is None else env, "argv": argv}
+        data = json.dumps(request).encode()
+        self._conn.sendall(len(data).to_bytes(8, "little"))
+        socket.send_fds(self._conn, [data], [stdin, stdout])
         self.pid = int.from_bytes(self._recv(8), "little")
         self.returncode: int | None = None
 
@@ -165,11 +173,34 @@ class _Forked:
                 return self.wait()
         return self.returncode
 
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
     def kill(self) -> None:
         import signal
 
-        if self.returncode is None:
-            os.kill(self.pid, signal.SIGKILL)
+        self.send_signal(signal.SIGKILL)
+
+
+def _forked_server(cmd: list[str], log_fd: int, env: dict[str, str]):
+    """serving.start_process for the suite: the API server forked by the zygote, which
+    has imported vLLM (a server starts about 15 s sooner); other commands as users run
+    them."""
+    import serving
+
+    from hybridkv.server import API_SERVER
+
+    if cmd[1:3] != ["-m", API_SERVER]:
+        return serving.popen(cmd, log_fd, env)
+    with open(os.devnull, "rb") as null:
+        return _Forked(null.fileno(), log_fd, env, cmd)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import serving
+
+    serving.start_process = _forked_server
 
 
 class EngineProc:

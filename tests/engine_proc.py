@@ -13,7 +13,9 @@ cache only; with "connector": true hybridkv's too, as after new weights),
 
 `python engine_proc.py --zygote SOCKET` imports vLLM once (about 75 % of an engine
 process's start) and then forks one such engine process per request on the Unix socket
-(see `zygote`); conftest.EngineProc uses it so the suite stays within CI's time.
+(see `zygote`); conftest.EngineProc uses it so the suite stays within CI's time. It also
+forks the test servers' API server process (`python -m vllm.entrypoints.openai.api_server`,
+tests/serving.py), whose import of vLLM is about half a server's start.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import dataclasses
 import json
 import os
 import resource
+import runpy
 import signal
 import socket
 import sys
@@ -95,7 +98,9 @@ def zygote(path: str) -> None:
     """Serve engine processes forked from this one, which has imported vLLM already.
 
     A request on the Unix socket `path` carries the engine's stdin and stdout as file
-    descriptors and its environment as JSON. A forked helper forks the engine process
+    descriptors and, as JSON, its environment and, for a server, the argv of
+    `python -m API_SERVER` (run in a session of its own, as `start_new_session`). A forked
+    helper forks the process
     (a child of a process that ran no engine and no torch kernel: only imports, and the
     helper's own threads are gone after fork), sends its pid back, waits for it and sends
     its exit status (negative: the signal that killed it). Every engine process shares
@@ -104,10 +109,12 @@ def zygote(path: str) -> None:
     """
     import vllm  # noqa: F401
     import vllm.entrypoints.llm  # noqa: F401
+    import vllm.entrypoints.openai.api_server  # noqa: F401
     import vllm.v1.engine.llm_engine  # noqa: F401
     import vllm.v1.worker.gpu_model_runner  # noqa: F401
 
     import hybridkv.engine  # noqa: F401
+    import hybridkv.server  # noqa: F401
 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
@@ -132,17 +139,22 @@ def _helper(conn: socket.socket) -> int:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
     stdin, stdout = fds
+    request = json.loads(data)
     pid = os.fork()
     if pid == 0:
         conn.close()
         os.environ.clear()
-        os.environ.update(json.loads(data))
+        os.environ.update(request["env"])
         os.dup2(stdin, 0)
         os.dup2(stdout, 1)
         os.dup2(stdout, 2)
         os.close(stdin)
         os.close(stdout)
-        os._exit(_run_engine())
+        argv = request.get("argv")
+        if argv is None:
+            os._exit(_run(main))
+        os.setsid()
+        os._exit(_run(lambda: _serve(argv)))
     os.close(stdin)
     os.close(stdout)
     conn.sendall(pid.to_bytes(8, "little"))
@@ -151,13 +163,25 @@ def _helper(conn: socket.socket) -> int:
     return 0
 
 
-def _run_engine() -> int:
-    """`main`, then what an interpreter does on its way out (join threads, run atexit
+def _serve(argv: list[str]) -> None:
+    """What `python -m API_SERVER ARGS` runs, `argv` being that whole command line: the
+    module as `__main__` (so the engine core, which vLLM spawns, imports it as the main
+    module, as it would)."""
+    from hybridkv.server import API_SERVER
+
+    if argv[1:3] != ["-m", API_SERVER]:
+        raise ValueError(f"the zygote serves only `python -m {API_SERVER}`: {argv[:3]}")
+    sys.argv = [sys.modules[API_SERVER].__file__, *argv[3:]]
+    runpy.run_module(API_SERVER, run_name="__main__", alter_sys=True)
+
+
+def _run(entry) -> int:
+    """`entry`, then what an interpreter does on its way out (join threads, run atexit
     hooks: the disk tier finishes its queued writes there), without returning into the
     zygote's loop."""
     code = 0
     try:
-        main()
+        entry()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:

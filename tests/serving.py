@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,23 @@ def server_command(
             *extra_args,
         ),
     )
+
+
+def popen(cmd: list[str], log_fd: int, env: dict[str, str]) -> subprocess.Popen:
+    """A server process as users start one: output to `log_fd`, in a session of its own."""
+    return subprocess.Popen(
+        cmd,
+        stdout=log_fd,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+
+
+# How `launch` starts a server's process. The test session swaps in one forked from a
+# process that has imported vLLM already (tests/conftest.py); the bench scripts keep this.
+start_process: Callable[[list[str], int, dict[str, str]], Any] = popen
 
 
 class ServerDied(RuntimeError):
@@ -207,12 +225,13 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 @dataclass
 class Server:
-    """A running api_server subprocess (its own process group) and its log file."""
+    """A running api_server subprocess (its own process group) and its log file. `proc`
+    is a `subprocess.Popen` or what the tests fork instead (`start_process`)."""
 
     model: str
     port: int
     log_path: Path
-    proc: subprocess.Popen
+    proc: Any
     command: list[str] = field(default_factory=list)
 
     @property
@@ -355,14 +374,7 @@ def launch(cmd: list[str], model: str, port: int, log_path: Path, timeout: float
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=server_env(),
-            start_new_session=True,
-        )
+        proc = start_process(cmd, log.fileno(), server_env())
     server = Server(model, port, log_path, proc, cmd)
     try:
         server.wait_healthy(timeout)

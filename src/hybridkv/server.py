@@ -15,6 +15,8 @@ from typing import Any
 
 from hybridkv.engine import CONNECTOR
 
+API_SERVER = "vllm.entrypoints.openai.api_server"  # run with `python -m`
+
 
 def kv_transfer_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's `--kv-transfer-config` naming hybridkv. A load that fails after a hit was
@@ -46,7 +48,7 @@ def server_args(
     return [
         sys.executable,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        API_SERVER,
         "--model",
         model,
         "--host",
