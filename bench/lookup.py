@@ -34,7 +34,8 @@ for scale, the requests built with those block hashes, as vLLM's engine core bui
 before its scheduler sees them (`vllm_request_hashes`, timed apart); and one full
 collection of the garbage collector at the end (`serving`). Memory: a second run of the
 same fill under tracemalloc; what code of hybridkv and of
-sortedcontainers allocated and still holds, per entry in CPU memory. Run it against
+sortedcontainers allocated and still holds, per entry in CPU memory, and with the vLLM
+block hashes the chain memo keeps alive (vLLM allocated them), what is resident. Run it against
 another source with `PYTHONPATH=<its src>` (the "before" of docs/benchmarks.md).
 
 `--step-tokens N`: the stream's prefills capped at N tokens a step, as vLLM's token budget
@@ -44,6 +45,10 @@ and the most waiting at once: a budget below what the stream asks a step on aver
 (about 2,000 tokens) leaves a backlog that grows without end, which measures an
 overloaded server, not the scheduler side.
 `--row-growth N`: the boundary table grown to N rows, its longest addition (`row_growth`).
+`--memo-bytes N`: the chain memo's bound in the stream (the engine's by default); the
+stream reports the chunks the memo recalled per chunk keyed, and the bytes it holds.
+The stream keeps an open conversation per 50 entries, so a bound scaled with the entries
+(3.2 MiB at 100,000 for the engine's 32 MiB at a million) models the larger stream.
 
     .venv/bin/python bench/lookup.py --prompt-tokens 32768
     .venv/bin/python bench/lookup.py --serve-entries 10000 100000 1000000
@@ -57,6 +62,7 @@ import gc
 import json
 import random
 import statistics
+import sys
 import time
 import tracemalloc
 from array import array
@@ -69,7 +75,7 @@ from common import RESULTS
 
 from hybridkv.core.boundary_graph import KEY_WIDTH, Boundaries
 from hybridkv.core.index import StoreIndex, WorkerReport
-from hybridkv.core.keys import chunk_keys, group_key
+from hybridkv.core.keys import ChainMemo, chunk_keys, group_key
 from hybridkv.core.keytable import KeyTable
 from hybridkv.core.layout import GroupKind, GroupSpec, Layout
 from hybridkv.core.planner import EntryCopy, Planner
@@ -204,6 +210,7 @@ class Serving:
         entries: int,
         seed: int = 27,
         step_tokens: int | None = None,
+        memo_bytes: int | None = None,
     ):
         lay = layout()
         planner = Planner(lay.groups)
@@ -231,6 +238,18 @@ class Serving:
             probe=self.probe,
             hash_block_size=BLOCK,
         )
+        if memo_bytes is not None:  # the memo's bound, if not the engine's
+            self.side._memo = ChainMemo(max_bytes=memo_bytes)
+        self.recalled = self.keyed = 0  # chunks the memo recalled, of chunks keyed
+        recall = self.side._memo.recall
+
+        def counted(seed: bytes, fingerprints) -> list[bytes]:
+            got = recall(seed, fingerprints)
+            self.recalled += len(got)
+            self.keyed += len(fingerprints)
+            return got
+
+        self.side._memo.recall = counted
         self.heads = [self._draw(HEAD_CHUNKS * BLOCK) for _ in range(SYSTEM_PROMPTS)]
         # Open conversations' last prompts (arrays: a list of ints per token would make
         # every collection of the garbage collector walk millions of them).
@@ -385,7 +404,11 @@ class Serving:
 
 
 def serving(
-    entries: int, steps: int, freeze: bool, step_tokens: int | None = None
+    entries: int,
+    steps: int,
+    freeze: bool,
+    step_tokens: int | None = None,
+    memo_bytes: int | None = None,
 ) -> dict[str, float]:
     """Per-step seconds of the stream once CPU memory is full (the module docstring),
     and the longest step while it filled (where the index's tables grow); then a quarter
@@ -397,7 +420,7 @@ def serving(
     have grown by a quarter (CPython 3.11), on the scheduler's thread, whatever step it
     falls in."""
     # Built before the freeze, as vLLM builds its scheduler.
-    stream = Serving(entries, step_tokens=step_tokens)
+    stream = Serving(entries, step_tokens=step_tokens, memo_bytes=memo_bytes)
     gc.collect()
     gc.freeze()
     index = stream.side.index
@@ -411,6 +434,7 @@ def serving(
         gc.freeze()
     total, without, vllm, hits = [], [], [], stream.hit_tokens
     prefills, split, stream.backlog = stream.prefills, stream.split, 0
+    recalled, keyed = stream.recalled, stream.keyed
     for _ in range(steps):
         secs, hashing = stream.step()
         total.append(secs)
@@ -430,6 +454,9 @@ def serving(
         "prefills": stream.prefills - prefills,
         "prefills split over steps": stream.split - split,
         "most prefills waiting for the budget": stream.backlog,
+        "chain memo: chunks recalled per chunk keyed": (stream.recalled - recalled)
+        / max(stream.keyed - keyed, 1),
+        "chain memo: bytes held (its own count)": stream.side._memo.nbytes,
     }
     stream.time_index()
     in_index = []
@@ -467,9 +494,10 @@ def serving(
     return out
 
 
-def memory(entries: int) -> dict[str, float]:
+def memory(entries: int, memo_bytes: int | None = None) -> dict[str, float]:
     """Bytes that hybridkv's and sortedcontainers' code allocated and still holds once
-    the stream has filled CPU memory, per entry there (tracemalloc)."""
+    the stream has filled CPU memory, per entry there (tracemalloc), and with what the
+    chain memo keeps of vLLM's, resident."""
     ours = (
         tracemalloc.Filter(True, "*/hybridkv/*"),
         tracemalloc.Filter(True, "*/sortedcontainers/*"),
@@ -477,7 +505,7 @@ def memory(entries: int) -> dict[str, float]:
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.take_snapshot().filter_traces(ours)
-    stream = Serving(entries)
+    stream = Serving(entries, memo_bytes=memo_bytes)
     index = stream.side.index
     while index.gauges()["cpu_bytes"] < 0.99 * index.capacity:
         stream.step()
@@ -494,15 +522,17 @@ def memory(entries: int) -> dict[str, float]:
         s.size for s in before.statistics("filename")
     )
     n = index.gauges()["cpu_entries"]
-    # The memo's fingerprints are vLLM's block hashes, allocated by vLLM (outside the
-    # filter): its own count, which includes them, is reported beside.
+    # The memo's fingerprints are vLLM's block hashes, which vLLM allocated (outside the
+    # filter) and the memo keeps alive: counted here, and its own count reported beside.
     memo = stream.side._memo
-    memo_bytes = memo.nbytes if memo is not None else 0
+    fingerprints = sum(map(sys.getsizeof, memo._chains))
     return {
         "cpu_entries": n,
         "bytes": held,
         "bytes per entry": held / n,
-        "chain memo, its own count: bytes per entry": memo_bytes / n,
+        "vLLM's block hashes the chain memo keeps: bytes per entry": fingerprints / n,
+        "resident: bytes per entry": (held + fingerprints) / n,
+        "chain memo, its own count: bytes per entry": memo.nbytes / n,
     }
 
 
@@ -622,6 +652,12 @@ def main() -> None:
     )
     p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc runs")
     p.add_argument(
+        "--memo-bytes",
+        type=int,
+        default=None,
+        help="the serving stream's chain memo bound (default: the engine's, ChainMemo's)",
+    )
+    p.add_argument(
         "--lru-entries", type=int, nargs="*", default=[], help="LruPolicy churn (`lru_churn`)"
     )
     p.add_argument(
@@ -704,9 +740,9 @@ def serve(args: argparse.Namespace) -> None:
     budget = f", prefills of {args.step_tokens} tokens a step" if args.step_tokens else ""
     print(f"serving stream, {args.serve_steps} steps timed once CPU memory is full{budget}")
     for entries in args.serve_entries:
-        fig = serving(entries, args.serve_steps, args.freeze, args.step_tokens)
+        fig = serving(entries, args.serve_steps, args.freeze, args.step_tokens, args.memo_bytes)
         if not args.no_memory:
-            fig.update({f"memory: {k}": v for k, v in memory(entries).items()})
+            fig.update({f"memory: {k}": v for k, v in memory(entries, args.memo_bytes).items()})
         results[str(entries)] = fig
         print(f"{entries:>9} entries")
         for name, value in fig.items():
@@ -720,6 +756,7 @@ def serve(args: argparse.Namespace) -> None:
                 "steps": args.serve_steps,
                 "freeze": args.freeze,
                 "step_tokens": args.step_tokens,
+                "memo_bytes": args.memo_bytes,
                 "entries": results,
             },
             indent=2,

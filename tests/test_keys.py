@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import struct
 import subprocess
 import sys
@@ -319,7 +320,7 @@ def test_chain_memo_recalls_only_exact_prefixes(seed, other_seed, chunk, stride,
         chain = list(got)
         extend_chain(chain, s, tokens, chunk)
         assert chain == want
-        memo.remember(s, fps, chain)
+        memo.remember(s, fps, chain, len(got))
         # Counted exactly (each joined chain once), and within the bound.
         held = {id(v[1]): len(v[1]) for v in memo._chains.values()}
         assert memo.nbytes == sum(held.values()) + FINGERPRINT_COST * len(memo) <= max_bytes
@@ -329,6 +330,30 @@ def test_chain_memo_recalls_only_exact_prefixes(seed, other_seed, chunk, stride,
             r = memo.recall(x, fps)
             assert r == chunk_keys(x, tokens, chunk)[: len(r)]
         prompts.append(tokens)
+
+
+@pytest.mark.parametrize("stride", [1, 3, 16])
+def test_chain_memo_holds_one_chain_per_conversation(stride):
+    """Each turn of a conversation extends the last (recalled whole, its tail hashed): the
+    last turn's end is dropped and its stride points name the new chain, so the memo
+    holds the newest chain only, and its stride points and end, not a growing chain per
+    turn (quadratic in the turns)."""
+    seed, chunk = bytes(KEY_BYTES), 4
+    rng = random.Random(stride)
+    print(f"seed {stride}")
+    memo = ChainMemo(stride=stride)
+    tokens: list[int] = []
+    for _ in range(12):
+        tokens = tokens + [rng.randrange(1, 2000) for _ in range(rng.randint(1, 3 * chunk))]
+        fps = _prefix_fingerprints(tokens, chunk)
+        chain = memo.recall(seed, fps)
+        recalled = len(chain)
+        extend_chain(chain, seed, tokens, chunk)
+        memo.remember(seed, fps, chain, recalled)
+        held = {id(v[1]): len(v[1]) for v in memo._chains.values()}
+        assert list(held.values()) == ([KEY_BYTES * len(chain)] if chain else [])
+        assert len(memo) == (len(chain) - 1) // stride + 1 if chain else not memo
+        assert memo.recall(seed, fps) == chunk_keys(seed, tokens, chunk)
 
 
 def test_chain_memo_fork_rehashes_less_than_a_stride():

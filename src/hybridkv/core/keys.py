@@ -131,7 +131,13 @@ class ChainMemo:
     anything less certain is a miss, and a miss costs what keying cost before.
 
     Remembered: a chain's last chunk and every `stride`-th one (a prompt that forks from
-    the middle of an earlier one rehashes at most `stride` - 1 chunks). A value is the
+    the middle of an earlier one rehashes at most `stride` - 1 chunks). The other
+    fingerprints remembered within the prefix a chain was recalled from (the ends of
+    earlier turns, naming shorter chains that only they keep alive) are dropped: a
+    conversation's next turn frees its last turn's chain and fingerprint, so the memo
+    holds a chain per conversation, not a growing one per turn, and a prompt that goes
+    back to an earlier turn's end rehashes at most `stride` - 1 chunks, as a fork does.
+    A value is the
     seed and the chain's keys joined into one bytes object, shared by that chain's
     fingerprints: nothing the garbage collector walks, 16 bytes a key. What it holds is
     counted (`nbytes`: each joined chain once, FINGERPRINT_COST per fingerprint) and
@@ -139,7 +145,10 @@ class ChainMemo:
     the prompts' lengths.
     """
 
-    def __init__(self, max_bytes: int = 32 << 20, stride: int = 16):
+    # 24 MiB: in bench/lookup.py's stream at 100,000 entries with the bound scaled down
+    # tenfold, it recalls 0.67 of the chunks keyed (0.71 unbounded, which held 41 bytes an
+    # entry) for 25.5 bytes an entry by its own count: docs/benchmarks.md.
+    def __init__(self, max_bytes: int = 24 << 20, stride: int = 16):
         self.max_bytes = max_bytes
         self.stride = stride
         self.nbytes = 0
@@ -162,14 +171,24 @@ class ChainMemo:
                 return [joined[i : i + KEY_BYTES] for i in range(0, (c + 1) * KEY_BYTES, KEY_BYTES)]
         return []
 
-    def remember(self, seed: bytes, fingerprints: Sequence[bytes], chain: Sequence[bytes]) -> None:
+    def remember(
+        self,
+        seed: bytes,
+        fingerprints: Sequence[bytes],
+        chain: Sequence[bytes],
+        recalled: int = 0,
+    ) -> None:
         """`chain[c]` is the key of chunk c under `seed`, `fingerprints[c]` the engine's
-        fingerprint of the prefix ending with it."""
+        fingerprint of the prefix ending with it; `recalled`: how many of its keys `recall`
+        gave (within those, what is not a stride point is dropped: the class docstring)."""
         n = min(len(fingerprints), len(chain))
         if not n:
             return
-        chains, value = self._chains, (seed, b"".join(chain[:n]))
-        for c in (*range(self.stride - 1, n - 1, self.stride), n - 1):
+        chains, value, stride = self._chains, (seed, b"".join(chain[:n])), self.stride
+        for c in range(min(recalled, n - 1)):
+            if (c + 1) % stride and fingerprints[c] in chains:
+                self._drop(chains.pop(fingerprints[c]))
+        for c in (*range(stride - 1, n - 1, stride), n - 1):
             fp = fingerprints[c]
             old = chains.get(fp)
             if old is None:
@@ -180,8 +199,12 @@ class ChainMemo:
             chains.move_to_end(fp)
             self._hold(value[1])
         while self.nbytes > self.max_bytes:
-            self.nbytes -= FINGERPRINT_COST
-            self._release(chains.popitem(last=False)[1][1])
+            self._drop(chains.popitem(last=False)[1])
+
+    def _drop(self, value: tuple[bytes, bytes]) -> None:
+        """A fingerprint left the map; `value` was its chain."""
+        self.nbytes -= FINGERPRINT_COST
+        self._release(value[1])
 
     def _hold(self, joined: bytes) -> None:
         n = self._refs.get(id(joined), 0)  # (held by the map while counted here)

@@ -229,8 +229,9 @@ class SchedulerSide:
         r = self._hashes_per_chunk
         fingerprints = request.block_hashes[r - 1 : num_tokens // C * r : r]
         st.keys.extend(memo.recall(st.ctx.seed, fingerprints))
+        recalled = len(st.keys)
         extend_chain(st.keys, st.ctx.seed, request.all_token_ids, C, None, num_tokens)
-        memo.remember(st.ctx.seed, fingerprints, st.keys)
+        memo.remember(st.ctx.seed, fingerprints, st.keys, recalled)
         return st.keys
 
     def num_new_matched_tokens(self, request: Request, local_tokens: int) -> int | None:
