@@ -137,11 +137,10 @@ class ChainMemo:
     conversation's next turn frees its last turn's chain and fingerprint, so the memo
     holds a chain per conversation, not a growing one per turn, and a prompt that goes
     back to an earlier turn's end rehashes at most `stride` - 1 chunks, as a fork does.
-    A value is the
-    seed and the chain's keys joined into one bytes object, shared by that chain's
-    fingerprints: nothing the garbage collector walks, 16 bytes a key. What it holds is
-    counted (`nbytes`: each joined chain once, FINGERPRINT_COST per fingerprint) and
-    kept under `max_bytes`, least recently recalled or remembered out first, whatever
+    A value is the seed and the chain's keys joined into one bytes object, shared by that
+    chain's fingerprints: nothing the garbage collector walks, 16 bytes a key. What it
+    holds is counted (`nbytes`: each joined chain once, FINGERPRINT_COST per fingerprint)
+    and kept under `max_bytes`, least recently recalled or remembered out first, whatever
     the prompts' lengths.
     """
 
