@@ -45,6 +45,8 @@ and the most waiting at once: a budget below what the stream asks a step on aver
 (about 2,000 tokens) leaves a backlog that grows without end, which measures an
 overloaded server, not the scheduler side.
 `--row-growth N`: the boundary table grown to N rows, its longest addition (`row_growth`).
+`--phases N`: where a step's time goes at N entries, over all steps and the slowest 2 %
+(`phases`).
 `--memo-bytes N`: the chain memo's bound in the stream (the engine's by default); the
 stream reports the chunks the memo recalled per chunk keyed, and the bytes it holds.
 The stream keeps an open conversation per 50 entries, so a bound scaled with the entries
@@ -631,6 +633,54 @@ def cold_lookups(keys_held: int, asked: int = 300, trials: int = 31) -> dict[str
     return out
 
 
+def phases(entries: int, steps: int = 3000) -> dict[str, float]:
+    """Where a step's time goes, once CPU memory is full: the scheduler side's calls
+    timed apart, in ms, their mean over all steps and over the slowest 2 % (by the
+    step's own time, which also holds the stream's modelling of stores around
+    `_admit`). Timing each call costs time, so the step times here are not the
+    stream's figures."""
+    stream = Serving(entries)
+    side, index = stream.side, stream.side.index
+    while index.gauges()["cpu_bytes"] < 0.99 * index.capacity:
+        stream.step()
+    spent: dict[str, float] = {}
+
+    def timed(obj: object, name: str, label: str) -> None:
+        method = getattr(obj, name)
+
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, call)
+
+    for obj, name, label in (
+        (side, "worker_reports", "workers' reports"),
+        (side, "request_finished", "finished requests"),
+        (side, "_admit", "admissions (and their evictions)"),
+        (side, "_keys", "chain keys"),
+        (side, "num_new_matched_tokens", "lookups"),
+        (index, "take_orders", "orders"),
+        (stream.probe, "send", "probe sends"),
+    ):
+        timed(obj, name, label)
+    rows = []
+    for _ in range(steps):
+        spent.clear()
+        rows.append((stream.step()[0], dict(spent)))
+    rows.sort(key=lambda row: row[0])
+    top = rows[int(len(rows) * 0.98) :]
+    out = {"step: mean": 1e3 * sum(t for t, _ in rows) / len(rows)}
+    out["slowest 2 %: step mean"] = 1e3 * sum(t for t, _ in top) / len(top)
+    for label in sorted({k for _, p in rows for k in p}):
+        out[label] = 1e3 * sum(p.get(label, 0.0) for _, p in rows) / len(rows)
+        out[f"slowest 2 %: {label}"] = 1e3 * sum(p.get(label, 0.0) for _, p in top) / len(top)
+    return out
+
+
 def print_figures(title: str, figures: dict[str, float], digits: int) -> None:
     print(f"{title}: " + ", ".join(f"{k} {v:.{digits}f}" for k, v in figures.items()))
 
@@ -666,9 +716,18 @@ def main() -> None:
     p.add_argument(
         "--row-growth", type=int, nargs="*", default=[], help="rows added (`row_growth`)"
     )
+    p.add_argument(
+        "--phases",
+        type=int,
+        nargs="*",
+        default=[],
+        help="where a step's time goes at these entries (`phases`; --serve-steps steps)",
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "lookup.json")
     args = p.parse_args()
-    if args.cold_lookups or args.lru_entries or args.row_growth:
+    if args.cold_lookups or args.lru_entries or args.row_growth or args.phases:
+        for entries in args.phases:
+            print_figures(f"{entries} entries, ms a step", phases(entries, args.serve_steps), 3)
         for held in args.cold_lookups:
             print_figures(f"{held} keys held, ns per key asked", cold_lookups(held), 0)
         for entries in args.lru_entries:
