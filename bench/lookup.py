@@ -47,6 +47,8 @@ overloaded server, not the scheduler side.
 `--row-growth N`: the boundary table grown to N rows, its longest addition (`row_growth`).
 `--phases N`: where a step's time goes at N entries, over all steps and the slowest 2 %
 (`phases`).
+`--gc N`: full collections of the garbage collector at N entries, every 1,000 steps
+(`collections`).
 `--memo-bytes N`: the chain memo's bound in the stream (the engine's by default); the
 stream reports the chunks the memo recalled per chunk keyed, and the bytes it holds.
 The stream keeps an open conversation per 50 entries, so a bound scaled with the entries
@@ -681,6 +683,30 @@ def phases(entries: int, steps: int = 3000) -> dict[str, float]:
     return out
 
 
+def collections(entries: int, rounds: int = 4, steps: int = 1000) -> dict[str, float]:
+    """What a full collection of the garbage collector costs once CPU memory is full:
+    after every `steps` more steps of the stream, one timed, then one more at once, in
+    ms. Frozen first, as vLLM's engine freezes what start-up allocated, so either walks
+    only what the stream allocated since (the index, as rows, is almost none of it)."""
+    stream = Serving(entries)
+    gc.collect()
+    gc.freeze()
+    index = stream.side.index
+    while index.gauges()["cpu_bytes"] < 0.99 * index.capacity:
+        stream.step()
+    out = {}
+    for r in range(rounds):
+        for _ in range(steps):
+            stream.step()
+        for name in ("after the steps", "again at once"):
+            t = time.perf_counter()
+            gc.collect()
+            out[f"{(r + 1) * steps} steps: {name}"] = 1e3 * (time.perf_counter() - t)
+    out["objects the collector tracks"] = len(gc.get_objects())
+    gc.unfreeze()
+    return out
+
+
 def print_figures(title: str, figures: dict[str, float], digits: int) -> None:
     print(f"{title}: " + ", ".join(f"{k} {v:.{digits}f}" for k, v in figures.items()))
 
@@ -723,9 +749,18 @@ def main() -> None:
         default=[],
         help="where a step's time goes at these entries (`phases`; --serve-steps steps)",
     )
+    p.add_argument(
+        "--gc",
+        type=int,
+        nargs="*",
+        default=[],
+        help="full collections once full, at these entries (`collections`)",
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "lookup.json")
     args = p.parse_args()
-    if args.cold_lookups or args.lru_entries or args.row_growth or args.phases:
+    if args.cold_lookups or args.lru_entries or args.row_growth or args.phases or args.gc:
+        for entries in args.gc:
+            print_figures(f"{entries} entries, full collections, ms", collections(entries), 2)
         for entries in args.phases:
             print_figures(f"{entries} entries, ms a step", phases(entries, args.serve_steps), 3)
         for held in args.cold_lookups:
