@@ -52,7 +52,7 @@ overloaded server, not the scheduler side.
 `--memo-bytes N`: the chain memo's bound in the stream (the engine's by default); the
 stream reports the chunks the memo recalled per chunk keyed, and the bytes it holds.
 The stream keeps an open conversation per 50 entries, so a bound scaled with the entries
-(3.2 MiB at 100,000 for the engine's 32 MiB at a million) models the larger stream.
+(2.4 MiB at 100,000 for the engine's 24 MiB at a million) models the larger stream.
 
     .venv/bin/python bench/lookup.py --prompt-tokens 32768
     .venv/bin/python bench/lookup.py --serve-entries 10000 100000 1000000
@@ -203,6 +203,30 @@ STATE_GROUPS = (1, 2, 3)
 MEAN_ENTRY = (7 * ATTN_BYTES + 3 * STATE_BYTES) / 10
 
 
+def time_calls(methods: list[tuple[object, str, str]], add: Callable[[str, float], None]) -> None:
+    """Replace each (object, method name, label) with a wrapper that calls `add(label,
+    seconds)` after each call, counting only the outermost of calls made within one
+    another (a call's time holds those it made)."""
+    depth = 0
+
+    def timed(method: Callable, label: str) -> Callable:
+        def call(*args, **kwargs):
+            nonlocal depth
+            depth += 1
+            t = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                depth -= 1
+                if not depth:
+                    add(label, time.perf_counter() - t)
+
+        return call
+
+    for obj, name, label in methods:
+        setattr(obj, name, timed(getattr(obj, name), label))
+
+
 class Serving:
     """A serving stream through the real scheduler side (the module docstring), drawn
     from a seeded generator. `step` returns the seconds its scheduler-side calls took,
@@ -295,29 +319,23 @@ class Serving:
         self.open[slot] = prompt = np.concatenate([prompt, self._draw(turn)])
         return prompt.tolist()
 
+    def fill(self) -> list[float]:
+        """Steps until CPU memory is full; each one's seconds (see `step`)."""
+        index = self.side.index
+        steps = []
+        while index.gauges()["cpu_bytes"] < 0.99 * index.capacity:
+            steps.append(self.step()[0])
+        return steps
+
     def time_index(self) -> None:
         """Add up the seconds of every call the scheduler side makes into the index."""
         index = self.side.index
-        depth = 0
 
-        def timed(method: Callable) -> Callable:
-            def call(*args, **kwargs):
-                nonlocal depth
-                depth += 1
-                t = time.perf_counter()
-                try:
-                    return method(*args, **kwargs)
-                finally:
-                    depth -= 1
-                    if not depth:
-                        self.index_seconds += time.perf_counter() - t
+        def add(_: str, seconds: float) -> None:
+            self.index_seconds += seconds
 
-            return call
-
-        for name in dir(index):
-            method = getattr(index, name)
-            if not name.startswith("_") and callable(method):
-                setattr(index, name, timed(method))
+        names = [n for n in dir(index) if not n.startswith("_") and callable(getattr(index, n))]
+        time_calls([(index, name, name) for name in names], add)
 
     def step(self) -> tuple[float, float]:
         side, index = self.side, self.side.index
@@ -429,9 +447,7 @@ def serving(
     gc.freeze()
     index = stream.side.index
     t = time.perf_counter()
-    filling = []  # the steps while it fills: what grows grows then
-    while index.gauges()["cpu_bytes"] < 0.99 * index.capacity:
-        filling.append(stream.step()[0])
+    filling = stream.fill()  # the steps while it fills: what grows grows then
     filled = time.perf_counter() - t
     if freeze:
         gc.collect()
@@ -511,8 +527,7 @@ def memory(entries: int, memo_bytes: int | None = None) -> dict[str, float]:
     before = tracemalloc.take_snapshot().filter_traces(ours)
     stream = Serving(entries, memo_bytes=memo_bytes)
     index = stream.side.index
-    while index.gauges()["cpu_bytes"] < 0.99 * index.capacity:
-        stream.step()
+    stream.fill()
     # What is left of requests, of the probe's answers and of the simulated shared tier
     # is not the index's.
     stream.waiting, stream.prefilled, stream.running, stream.promoted = [], [], [], []
@@ -637,29 +652,21 @@ def cold_lookups(keys_held: int, asked: int = 300, trials: int = 31) -> dict[str
 
 def phases(entries: int, steps: int = 3000) -> dict[str, float]:
     """Where a step's time goes, once CPU memory is full: the scheduler side's calls
-    timed apart, in ms, their mean over all steps and over the slowest 2 % (by the
-    step's own time, which also holds the stream's modelling of stores around
-    `_admit`). Timing each call costs time, so the step times here are not the
-    stream's figures."""
+    timed apart (a call made within another counts in the outer one), in ms, their mean
+    over all steps and over the slowest 2 % (by the step's own time, which also holds
+    the stream's modelling of stores around `_admit`). Timing each call costs time, so
+    the step times here are not the stream's figures."""
     stream = Serving(entries)
     side, index = stream.side, stream.side.index
-    while index.gauges()["cpu_bytes"] < 0.99 * index.capacity:
-        stream.step()
+    gc.collect()
+    gc.freeze()  # as `serving` does
+    stream.fill()
     spent: dict[str, float] = {}
 
-    def timed(obj: object, name: str, label: str) -> None:
-        method = getattr(obj, name)
+    def add(label: str, seconds: float) -> None:
+        spent[label] = spent.get(label, 0.0) + seconds
 
-        def call(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
-
-        setattr(obj, name, call)
-
-    for obj, name, label in (
+    calls = [
         (side, "worker_reports", "workers' reports"),
         (side, "request_finished", "finished requests"),
         (side, "_admit", "admissions (and their evictions)"),
@@ -667,8 +674,8 @@ def phases(entries: int, steps: int = 3000) -> dict[str, float]:
         (side, "num_new_matched_tokens", "lookups"),
         (index, "take_orders", "orders"),
         (stream.probe, "send", "probe sends"),
-    ):
-        timed(obj, name, label)
+    ]
+    time_calls(calls, add)
     rows = []
     for _ in range(steps):
         spent.clear()
@@ -680,6 +687,7 @@ def phases(entries: int, steps: int = 3000) -> dict[str, float]:
     for label in sorted({k for _, p in rows for k in p}):
         out[label] = 1e3 * sum(p.get(label, 0.0) for _, p in rows) / len(rows)
         out[f"slowest 2 %: {label}"] = 1e3 * sum(p.get(label, 0.0) for _, p in top) / len(top)
+    gc.unfreeze()
     return out
 
 
@@ -691,9 +699,7 @@ def collections(entries: int, rounds: int = 4, steps: int = 1000) -> dict[str, f
     stream = Serving(entries)
     gc.collect()
     gc.freeze()
-    index = stream.side.index
-    while index.gauges()["cpu_bytes"] < 0.99 * index.capacity:
-        stream.step()
+    stream.fill()
     out = {}
     for r in range(rounds):
         for _ in range(steps):
