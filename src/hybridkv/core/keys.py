@@ -185,8 +185,8 @@ class ChainMemo:
             return
         chains, value, stride = self._chains, (seed, b"".join(chain[:n])), self.stride
         for c in range(min(recalled, n - 1)):
-            if (c + 1) % stride and fingerprints[c] in chains:
-                self._drop(chains.pop(fingerprints[c]))
+            if (c + 1) % stride and (old := chains.pop(fingerprints[c], None)) is not None:
+                self._drop(old)
         for c in (*range(stride - 1, n - 1, stride), n - 1):
             fp = fingerprints[c]
             old = chains.get(fp)
