@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 
 import pytest
 
@@ -195,6 +196,20 @@ def _forked_server(cmd: list[str], log_fd: int, env: dict[str, str]):
         return serving.popen(cmd, log_fd, env)
     with open(os.devnull, "rb") as null:
         return _Forked(null.fileno(), log_fd, env, cmd)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`hybridkv ARGS` as `python -m hybridkv.cli`, forked by the zygote (which has
+    imported vLLM: the benchmarks' own engine processes fork from it in turn, each about
+    20 s sooner than a fresh interpreter); stdout and stderr together in `stdout`."""
+    import sys
+    import tempfile
+
+    argv = [sys.executable, "-m", "hybridkv.cli", *args]
+    with tempfile.TemporaryFile("w+") as out, open(os.devnull, "rb") as null:
+        code = _Forked(null.fileno(), out.fileno(), None, argv).wait()
+        out.seek(0)
+        return subprocess.CompletedProcess(argv, code, out.read(), "")
 
 
 def pytest_configure(config: pytest.Config) -> None:

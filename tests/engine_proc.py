@@ -15,26 +15,27 @@ cache only; with "connector": true hybridkv's too, as after new weights),
 process's start) and then forks one such engine process per request on the Unix socket
 (see `zygote`); conftest.EngineProc uses it so the suite stays within CI's time. It also
 forks the test servers' API server process (`python -m vllm.entrypoints.openai.api_server`,
-tests/serving.py), whose import of vLLM is about half a server's start.
+tests/serving.py), whose import of vLLM is about half a server's start, and the
+command line (`python -m hybridkv.cli`, test_cli_bench.py), whose benchmarks fork their
+engines from it in turn.
 """
 
 from __future__ import annotations
 
 import array
-import atexit
 import dataclasses
 import json
 import os
 import resource
-import runpy
 import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from hybridkv import forked  # noqa: E402
 
 
 def main() -> None:
@@ -98,23 +99,20 @@ def zygote(path: str) -> None:
     """Serve engine processes forked from this one, which has imported vLLM already.
 
     A request on the Unix socket `path` carries the engine's stdin and stdout as file
-    descriptors and, as JSON, its environment and, for a server, the argv of
-    `python -m API_SERVER` (run in a session of its own, as `start_new_session`). A forked
-    helper forks the process
-    (a child of a process that ran no engine and no torch kernel: only imports, and the
-    helper's own threads are gone after fork), sends its pid back, waits for it and sends
-    its exit status (negative: the signal that killed it). Every engine process shares
-    this process's hash seed; keys never depend on Python's hash (a fresh process for a
-    restart test shows it).
+    descriptors and, as JSON, its environment and, for a server or the command line, the
+    argv of `python -m MODULE` (see `_serve`; run in a session of its own, as
+    `start_new_session`). A forked helper forks the process (`hybridkv.forked`: a child
+    of a process that ran no engine and no torch kernel, only imports), sends its pid
+    back, waits for it and sends its exit status (negative: the signal that killed it).
+    Every engine process shares this process's hash seed; keys never depend on Python's
+    hash (a fresh process for a restart test shows it).
     """
-    import vllm  # noqa: F401
-    import vllm.entrypoints.llm  # noqa: F401
     import vllm.entrypoints.openai.api_server  # noqa: F401
-    import vllm.v1.engine.llm_engine  # noqa: F401
-    import vllm.v1.worker.gpu_model_runner  # noqa: F401
 
-    import hybridkv.engine  # noqa: F401
+    import hybridkv.cli  # noqa: F401
     import hybridkv.server  # noqa: F401
+
+    forked.preload()
 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
@@ -140,21 +138,16 @@ def _helper(conn: socket.socket) -> int:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
     stdin, stdout = fds
     request = json.loads(data)
-    pid = os.fork()
-    if pid == 0:
-        conn.close()
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.dup2(stdin, 0)
-        os.dup2(stdout, 1)
-        os.dup2(stdout, 2)
-        os.close(stdin)
-        os.close(stdout)
-        argv = request.get("argv")
+    argv = request.get("argv")
+
+    def entry() -> None:
+        conn.close()  # the child's copy: the test sees this helper's answers alone
         if argv is None:
-            os._exit(_run(main))
-        os.setsid()
-        os._exit(_run(lambda: _serve(argv)))
+            main()
+        else:
+            _serve(argv)
+
+    pid = forked.fork_child(entry, request["env"], stdin, stdout, stdout, argv is not None)
     os.close(stdin)
     os.close(stdout)
     conn.sendall(pid.to_bytes(8, "little"))
@@ -164,38 +157,16 @@ def _helper(conn: socket.socket) -> int:
 
 
 def _serve(argv: list[str]) -> None:
-    """What `python -m API_SERVER ARGS` runs, `argv` being that whole command line: the
-    module as `__main__` (so the engine core, which vLLM spawns, imports it as the main
-    module, as it would)."""
+    """What `python -m MODULE ARGS` runs, `argv` being that whole command line: the
+    module as `__main__` (so the engine core, which vLLM spawns from an API server,
+    imports it as the main module, as it would). MODULE is vLLM's API server or
+    hybridkv's command line."""
     from hybridkv.server import API_SERVER
 
-    if argv[1:3] != ["-m", API_SERVER]:
-        raise ValueError(f"the zygote serves only `python -m {API_SERVER}`: {argv[:3]}")
-    sys.argv = [sys.modules[API_SERVER].__file__, *argv[3:]]
-    runpy.run_module(API_SERVER, run_name="__main__", alter_sys=True)
-
-
-def _run(entry) -> int:
-    """`entry`, then what an interpreter does on its way out (join threads, run atexit
-    hooks: the disk tier finishes its queued writes there), without returning into the
-    zygote's loop."""
-    code = 0
-    try:
-        entry()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-        atexit._run_exitfuncs()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    return code
+    served = (API_SERVER, "hybridkv.cli")
+    if argv[1:2] != ["-m"] or len(argv) < 3 or argv[2] not in served:
+        raise ValueError(f"the zygote serves only `python -m` of {served}: {argv[:3]}")
+    forked.run_module(argv[2], argv[3:])
 
 
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:

@@ -1,26 +1,25 @@
-"""`hybridkv bench ttft | restart | hit-rate --quick` end to end on the tiny model, through
-the installed script: each writes a JSON whose figures agree with what must have
-happened (restores hit what vLLM's own prefix cache hits, cold runs hit nothing), and a
-PNG plot beside it."""
+"""`hybridkv bench ttft | restart | hit-rate --quick` end to end on the tiny model, as
+`python -m hybridkv.cli` forked from the suite's zygote (conftest.run_cli; the installed
+script itself where a test checks its errors): each writes a JSON whose figures agree
+with what must have happened (restores hit what vLLM's own prefix cache hits, cold runs
+hit nothing), and a PNG plot beside it."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 HYBRIDKV = str(Path(sys.executable).with_name("hybridkv"))
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [HYBRIDKV, "bench", *args], capture_output=True, text=True, env=dict(os.environ)
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_cli("bench", *args)
+    assert proc.returncode == 0, proc.stdout[-6000:]
     return proc
 
 

@@ -1,0 +1,122 @@
+"""Engine processes forked from a parent that has imported vLLM, instead of fresh
+interpreters.
+
+Importing vLLM and torch is most of an engine process's start (about 20 s of 27 on a
+2-core VM). A child forked from a parent that imported them, and ran no engine, no torch
+kernel and no thread, skips that and is still a process of its own: its own engine,
+caches, memory and exit, so a run sees no other run's state and a restart is a real one.
+The benchmarks' engine processes (`benchmarks.figures.engine_process`) and the test
+suite's zygote (tests/engine_proc.py) start their children here.
+
+Fork is safe only from a single-threaded parent (a lock held by another thread stays
+held in the child): `can_fork` says whether this process may, and callers fall back to
+a fresh interpreter when it may not.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+
+
+def preload() -> None:
+    """Import what an engine process imports (vLLM's offline engine and hybridkv's
+    helpers), so that forked children start with it."""
+    import vllm  # noqa: F401
+    import vllm.entrypoints.llm  # noqa: F401
+    import vllm.v1.engine.llm_engine  # noqa: F401
+    import vllm.v1.worker.gpu_model_runner  # noqa: F401
+
+    import hybridkv.engine  # noqa: F401
+
+
+def can_fork() -> bool:
+    """Whether a child forked now starts in a consistent state: POSIX, and no thread
+    other than this one (a benchmark's parent that started a pool must not fork)."""
+    return hasattr(os, "fork") and threading.active_count() == 1
+
+
+def run_module(module: str, args: list[str] | tuple[str, ...] = ()) -> None:
+    """What `python -m module ARGS` runs: the module as `__main__`, `args` after its file
+    in `sys.argv`."""
+    sys.argv = ["", *args]  # runpy puts the module's file first
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def fork_child(
+    entry: Callable[[], object],
+    env: dict[str, str],
+    stdin: int,
+    stdout: int,
+    stderr: int,
+    new_session: bool = False,
+) -> int:
+    """Fork a child that runs `entry` with exactly `env` and the given descriptors as its
+    standard streams (with `new_session`, in a session of its own, as `start_new_session`)
+    and then exits as an interpreter would; its pid. The caller closes its own copies of
+    the descriptors and waits for the child."""
+    sys.stdout.flush()  # what the parent buffered must not be written twice
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid != 0:
+        return pid
+    code = 1
+    try:
+        _forget_parent_finalizers()
+        os.environ.clear()
+        os.environ.update(env)
+        for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
+            if fd != target:
+                os.dup2(fd, target)
+        for fd in {stdin, stdout, stderr} - {0, 1, 2}:
+            os.close(fd)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 (no buffer the parent filled)
+        if new_session:
+            os.setsid()
+        code = run_to_exit(entry)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _forget_parent_finalizers() -> None:
+    """Drop the finalizers the child inherited, as multiprocessing's own fork children do:
+    they stand for the parent's resources (a `TemporaryDirectory` it still uses is removed
+    by one at exit), not the child's. Those the child makes itself still run."""
+    weakref.finalize._registry.clear()  # type: ignore[attr-defined]
+    util = sys.modules.get("multiprocessing.util")
+    if util is not None:
+        util._finalizer_registry.clear()
+        util._run_after_forkers()
+
+
+def run_to_exit(entry: Callable[[], object]) -> int:
+    """`entry`, then what an interpreter does on its way out (join non-daemon threads, run
+    atexit hooks: the disk tier finishes its queued writes there); the exit status."""
+    code = 0
+    try:
+        entry()
+    except SystemExit as e:  # as the interpreter reads it: None 0, a message 1
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if code == 1 and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
