@@ -9,8 +9,8 @@ The benchmarks' engine processes (`benchmarks.figures.engine_process`) and the t
 suite's zygote (tests/engine_proc.py) start their children here.
 
 Fork is safe only from a single-threaded parent (a lock held by another thread stays
-held in the child): `can_fork` says whether this process may, and callers fall back to
-a fresh interpreter when it may not.
+held in the child), on Linux: `can_fork` says whether this process may, and callers fall
+back to a fresh interpreter when it may not.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ def preload() -> None:
 
 
 def can_fork() -> bool:
-    """Whether a child forked now starts in a consistent state: POSIX, and no thread
-    other than this one (a benchmark's parent that started a pool must not fork)."""
-    return hasattr(os, "fork") and threading.active_count() == 1
+    """Whether a child forked now starts in a consistent state: Linux (elsewhere torch's
+    libraries are not fork-safe), and no thread other than this one (a benchmark's
+    parent that started a pool must not fork)."""
+    return sys.platform == "linux" and threading.active_count() == 1
 
 
 def run_module(module: str, args: list[str] | tuple[str, ...] = ()) -> None:
