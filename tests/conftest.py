@@ -201,7 +201,7 @@ def _forked_server(cmd: list[str], log_fd: int, env: dict[str, str]):
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     """`hybridkv ARGS` as `python -m hybridkv.cli`, forked by the zygote (which has
     imported vLLM: the benchmarks' own engine processes fork from it in turn, each about
-    20 s sooner than a fresh interpreter); stdout and stderr together in `stdout`."""
+    13 s sooner than a fresh interpreter); stdout and stderr together in `stdout`."""
     import sys
     import tempfile
 

@@ -1,10 +1,11 @@
 """Engine processes forked from a parent that has imported vLLM, instead of fresh
 interpreters.
 
-Importing vLLM and torch is most of an engine process's start (about 20 s of 27 on a
-2-core VM). A child forked from a parent that imported them, and ran no engine, no torch
-kernel and no thread, skips that and is still a process of its own: its own engine,
-caches, memory and exit, so a run sees no other run's state and a restart is a real one.
+Importing vLLM and torch is most of an engine process's start: a short replay took
+20-22 s in a fresh interpreter and 7-9 s forked, on a 2-core VM (docs/benchmarks.md). A
+child forked from a parent that imported them, and ran no engine, no torch kernel and no
+thread, skips that and is still a process of its own: its own engine, caches, memory and
+exit, so a run sees no other run's state and a restart is a real one.
 The benchmarks' engine processes (`benchmarks.figures.engine_process`) and the test
 suite's zygote (tests/engine_proc.py) start their children here.
 

@@ -60,7 +60,7 @@ def engine_process(
     """Run `python -m module` with `spec` as JSON on stdin and return the JSON of its
     last `RESULT {...}` line. One engine per process: no run sees another's caches and a
     restart is a real one. The process is forked from this one once it has imported vLLM
-    (`hybridkv.forked`: a run starts about 20 s sooner on 2 cores) where it may fork, else
+    (`hybridkv.forked`: a run starts about 13 s sooner on 2 cores) where it may fork, else
     a fresh interpreter; `pythonpath` (another hybridkv source, run there) always gets a
     fresh one. The child's output is appended to `log`, and its tail is raised if it
     fails."""
