@@ -52,8 +52,17 @@ def main() -> None:
         help="programs a copy batch runs on (default: cuda_rows.STORE_PROGRAMS for stores, "
         "LOAD_PROGRAMS for loads; 0: one per piece)",
     )
+    p.add_argument(
+        "--launch-mib",
+        type=int,
+        default=None,
+        help="cut a batch into launches of at most this many MiB (default: "
+        "copy_engine.LAUNCH_BYTES)",
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "gpu_copy.json")
     args = p.parse_args()
+    if args.launch_mib is not None:
+        copy_engine.LAUNCH_BYTES = args.launch_mib << 20
     if not torch.cuda.is_available():
         print("gpu_copy: no CUDA device here; nothing measured")
         sys.exit(0)
