@@ -694,8 +694,10 @@ def phases(entries: int, steps: int = 3000) -> dict[str, float]:
 def collections(entries: int, rounds: int = 4, steps: int = 1000) -> dict[str, float]:
     """What a full collection of the garbage collector costs once CPU memory is full:
     after every `steps` more steps of the stream, one timed, then one more at once, in
-    ms. Frozen first, as vLLM's engine freezes what start-up allocated, so either walks
-    only what the stream allocated since (the index, as rows, is almost none of it)."""
+    ms, with the references the tracked objects hold (what a collection visits; counted
+    before it, untimed). Frozen first, as vLLM's engine freezes what start-up allocated,
+    so either walks only what the stream allocated since. Last, one with everything
+    frozen: what the collection costs without what it walks."""
     stream = Serving(entries)
     gc.collect()
     gc.freeze()
@@ -704,11 +706,18 @@ def collections(entries: int, rounds: int = 4, steps: int = 1000) -> dict[str, f
     for r in range(rounds):
         for _ in range(steps):
             stream.step()
+        out[f"{(r + 1) * steps} steps: references held"] = sum(
+            len(gc.get_referents(o)) for o in gc.get_objects()
+        )
         for name in ("after the steps", "again at once"):
             t = time.perf_counter()
             gc.collect()
             out[f"{(r + 1) * steps} steps: {name}"] = 1e3 * (time.perf_counter() - t)
     out["objects the collector tracks"] = len(gc.get_objects())
+    gc.freeze()
+    t = time.perf_counter()
+    gc.collect()
+    out["everything frozen"] = 1e3 * (time.perf_counter() - t)
     gc.unfreeze()
     return out
 
