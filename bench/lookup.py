@@ -695,7 +695,8 @@ def collections(entries: int, rounds: int = 4, steps: int = 1000) -> dict[str, f
     """What a full collection of the garbage collector costs once CPU memory is full:
     after every `steps` more steps of the stream, one timed, then one more at once, in
     ms, with the references the tracked objects hold (what a collection visits; counted
-    before it, untimed). Frozen first, as vLLM's engine freezes what start-up allocated,
+    before it, untimed) and the unreachable objects each found (garbage in cycles, which
+    it frees). Frozen first, as vLLM's engine freezes what start-up allocated,
     so either walks only what the stream allocated since. Last, one with everything
     frozen: what the collection costs without what it walks."""
     stream = Serving(entries)
@@ -711,8 +712,9 @@ def collections(entries: int, rounds: int = 4, steps: int = 1000) -> dict[str, f
         )
         for name in ("after the steps", "again at once"):
             t = time.perf_counter()
-            gc.collect()
+            unreachable = gc.collect()
             out[f"{(r + 1) * steps} steps: {name}"] = 1e3 * (time.perf_counter() - t)
+            out[f"{(r + 1) * steps} steps: {name}, unreachable objects"] = unreachable
     out["objects the collector tracks"] = len(gc.get_objects())
     gc.freeze()
     t = time.perf_counter()
