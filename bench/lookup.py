@@ -696,9 +696,9 @@ def collections(entries: int, rounds: int = 4, steps: int = 1000) -> dict[str, f
     after every `steps` more steps of the stream, one timed, then one more at once, in
     ms, with the references the tracked objects hold (what a collection visits; counted
     before it, untimed) and the unreachable objects each found (garbage in cycles, which
-    it frees). Frozen first, as vLLM's engine freezes what start-up allocated,
-    so either walks only what the stream allocated since. Last, one with everything
-    frozen: what the collection costs without what it walks."""
+    it frees). Frozen first, as vLLM's engine freezes what start-up allocated, so either
+    walks only what the stream allocated since. Last, one with everything frozen: what
+    the collection costs without what it walks."""
     stream = Serving(entries)
     gc.collect()
     gc.freeze()

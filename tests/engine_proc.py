@@ -164,7 +164,7 @@ def _serve(argv: list[str]) -> None:
     from hybridkv.server import API_SERVER
 
     served = (API_SERVER, "hybridkv.cli")
-    if argv[1:2] != ["-m"] or len(argv) < 3 or argv[2] not in served:
+    if len(argv) < 3 or argv[1] != "-m" or argv[2] not in served:
         raise ValueError(f"the zygote serves only `python -m` of {served}: {argv[:3]}")
     forked.run_module(argv[2], argv[3:])
 

@@ -62,7 +62,7 @@ def fork_child(
     standard streams (with `new_session`, in a session of its own, as `start_new_session`)
     and then exits as an interpreter would; its pid. The caller closes its own copies of
     the descriptors and waits for the child."""
-    sys.stdout.flush()  # what the parent buffered must not be written twice
+    sys.stdout.flush()  # as multiprocessing does before it forks: nothing buffered twice
     sys.stderr.flush()
     pid = os.fork()
     if pid != 0:

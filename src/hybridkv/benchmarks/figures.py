@@ -67,12 +67,13 @@ def engine_process(
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if pythonpath is None:
         forked.preload()
-    if pythonpath is None and forked.can_fork():
+        fork = forked.can_fork()
+    else:
+        fork = False
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
+    if fork:
         code, stdout, stderr = _forked(module, json.dumps(spec), env)
     else:
-        if pythonpath is not None:
-            paths = [str(pythonpath), env.get("PYTHONPATH")]
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
         proc = subprocess.run(
             [sys.executable, "-m", module],
             input=json.dumps(spec),
