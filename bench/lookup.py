@@ -694,8 +694,9 @@ def phases(entries: int, steps: int = 3000) -> dict[str, float]:
 def collections(entries: int, rounds: int = 4, steps: int = 1000) -> dict[str, float]:
     """What a full collection of the garbage collector costs once CPU memory is full:
     after every `steps` more steps of the stream, one timed, then one more at once, in
-    ms, with the references the tracked objects hold (what a collection visits; counted
-    before it, untimed) and the unreachable objects each found (garbage in cycles, which
+    ms, with the objects tracked (tuples apart: a tuple stays tracked until a collection
+    examines it) and the references they hold (what a collection visits; counted before
+    it, untimed) and the unreachable objects each found (garbage in cycles, which
     it frees). Frozen first, as vLLM's engine freezes what start-up allocated, so either
     walks only what the stream allocated since. Last, one with everything frozen: what
     the collection costs without what it walks."""
@@ -707,9 +708,13 @@ def collections(entries: int, rounds: int = 4, steps: int = 1000) -> dict[str, f
     for r in range(rounds):
         for _ in range(steps):
             stream.step()
+        tracked = gc.get_objects()
+        out[f"{(r + 1) * steps} steps: objects tracked"] = len(tracked)
+        out[f"{(r + 1) * steps} steps: of them tuples"] = sum(type(o) is tuple for o in tracked)
         out[f"{(r + 1) * steps} steps: references held"] = sum(
-            len(gc.get_referents(o)) for o in gc.get_objects()
+            len(gc.get_referents(o)) for o in tracked
         )
+        del tracked
         for name in ("after the steps", "again at once"):
             t = time.perf_counter()
             unreachable = gc.collect()

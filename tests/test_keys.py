@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -322,9 +323,9 @@ def test_chain_memo_recalls_only_exact_prefixes(seed, other_seed, chunk, stride,
         assert chain == want
         memo.remember(s, fps, chain, len(got))
         # Counted exactly (each joined chain once), and within the bound.
-        held = {id(v[1]): len(v[1]) for v in memo._chains.values()}
+        held = {id(v): len(v) for v in memo._chains.values()}
         assert memo.nbytes == sum(held.values()) + FINGERPRINT_COST * len(memo) <= max_bytes
-        if want and FINGERPRINT_COST + KEY_BYTES * len(want) <= max_bytes:
+        if want and FINGERPRINT_COST + KEY_BYTES * (len(want) + 1) <= max_bytes:
             assert memo.recall(s, fps + [b"unknown"]) == want  # remembered last: whole
         for x in (seed, other_seed):  # under either seed: that seed's keys, or none
             r = memo.recall(x, fps)
@@ -350,8 +351,8 @@ def test_chain_memo_holds_one_chain_per_conversation(stride):
         recalled = len(chain)
         extend_chain(chain, seed, tokens, chunk)
         memo.remember(seed, fps, chain, recalled)
-        held = {id(v[1]): len(v[1]) for v in memo._chains.values()}
-        assert list(held.values()) == ([KEY_BYTES * len(chain)] if chain else [])
+        held = {id(v): len(v) for v in memo._chains.values()}
+        assert list(held.values()) == ([KEY_BYTES * (len(chain) + 1)] if chain else [])
         assert len(memo) == (len(chain) - 1) // stride + 1 if chain else not memo
         assert memo.recall(seed, fps) == chunk_keys(seed, tokens, chunk)
 
@@ -369,3 +370,8 @@ def test_chain_memo_fork_rehashes_less_than_a_stride():
         assert got == chunk_keys(seed, tokens, chunk)[: len(got)]
         assert fork - len(got) < stride and len(got) % stride == 0 and len(got) <= fork
     assert memo.recall(bytes([1]) * KEY_BYTES, _prefix_fingerprints(first, chunk)) == []
+    # A shorter seed the remembered one begins with is another seed too.
+    assert memo.recall(seed[:8], _prefix_fingerprints(first, chunk)) == []
+    # Values the garbage collector never walks (a tuple stays tracked until a collection
+    # examines it): the class docstring.
+    assert not any(gc.is_tracked(v) for v in memo._chains.values())

@@ -108,7 +108,7 @@ def chunk_keys(
 
 
 # What a remembered fingerprint costs beyond its chain's keys: its place in the map, the
-# fingerprint (vLLM's: a 32-byte bytes object) and the value's tuple.
+# fingerprint (vLLM's: a 32-byte bytes object) and the value's object header.
 FINGERPRINT_COST = 200
 
 
@@ -138,7 +138,9 @@ class ChainMemo:
     holds a chain per conversation, not a growing one per turn, and a prompt that goes
     back to an earlier turn's end rehashes at most `stride` - 1 chunks, as a fork does.
     A value is the seed and the chain's keys joined into one bytes object, shared by that
-    chain's fingerprints: nothing the garbage collector walks, 16 bytes a key. What it
+    chain's fingerprints: nothing the garbage collector walks, 16 bytes a key (a tuple of
+    the two was tracked until a collection examined it, and at a million entries the
+    first full collection after a fill walked 17,000 of them: docs/benchmarks.md). What it
     holds is counted (`nbytes`: each joined chain once, FINGERPRINT_COST per fingerprint)
     and kept under `max_bytes`, least recently recalled or remembered out first, whatever
     the prompts' lengths.
@@ -151,7 +153,7 @@ class ChainMemo:
         self.max_bytes = max_bytes
         self.stride = stride
         self.nbytes = 0
-        self._chains: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
+        self._chains: OrderedDict[bytes, bytes] = OrderedDict()  # fingerprint -> seed + keys
         self._refs: dict[int, int] = {}  # id of a joined chain -> fingerprints holding it
 
     def __len__(self) -> int:
@@ -159,15 +161,18 @@ class ChainMemo:
 
     def recall(self, seed: bytes, fingerprints: Sequence[bytes]) -> list[bytes]:
         """Keys of chunks [0, c] for the largest c whose `fingerprints[c]` (that of the
-        prefix ending with chunk c) was remembered under `seed`; [] if none was."""
+        prefix ending with chunk c) was remembered under `seed` (`chain_seed`'s, KEY_BYTES
+        long); [] if none was."""
+        if len(seed) != KEY_BYTES:
+            return []
         chains = self._chains
         for c in range(len(fingerprints) - 1, -1, -1):
             fp = fingerprints[c]
-            hit = chains.get(fp)
-            if hit is not None and hit[0] == seed:
+            joined = chains.get(fp)
+            if joined is not None and joined.startswith(seed):
                 chains.move_to_end(fp)
-                joined = hit[1]
-                return [joined[i : i + KEY_BYTES] for i in range(0, (c + 1) * KEY_BYTES, KEY_BYTES)]
+                end = (c + 2) * KEY_BYTES
+                return [joined[i : i + KEY_BYTES] for i in range(KEY_BYTES, end, KEY_BYTES)]
         return []
 
     def remember(
@@ -181,9 +186,9 @@ class ChainMemo:
         fingerprint of the prefix ending with it; `recalled`: how many of its keys `recall`
         gave (within those, what is not a stride point is dropped: the class docstring)."""
         n = min(len(fingerprints), len(chain))
-        if not n:
+        if not n or len(seed) != KEY_BYTES:
             return
-        chains, value, stride = self._chains, (seed, b"".join(chain[:n])), self.stride
+        chains, value, stride = self._chains, b"".join((seed, *chain[:n])), self.stride
         for c in range(min(recalled, n - 1)):
             if (c + 1) % stride and (old := chains.pop(fingerprints[c], None)) is not None:
                 self._drop(old)
@@ -193,17 +198,17 @@ class ChainMemo:
             if old is None:
                 self.nbytes += FINGERPRINT_COST
             else:
-                self._release(old[1])
+                self._release(old)
             chains[fp] = value
             chains.move_to_end(fp)
-            self._hold(value[1])
+            self._hold(value)
         while self.nbytes > self.max_bytes:
             self._drop(chains.popitem(last=False)[1])
 
-    def _drop(self, value: tuple[bytes, bytes]) -> None:
+    def _drop(self, value: bytes) -> None:
         """A fingerprint left the map; `value` was its chain."""
         self.nbytes -= FINGERPRINT_COST
-        self._release(value[1])
+        self._release(value)
 
     def _hold(self, joined: bytes) -> None:
         n = self._refs.get(id(joined), 0)  # (held by the map while counted here)
