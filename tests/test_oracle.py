@@ -90,7 +90,12 @@ def exhaustive(trace: Trace, geometry: Geometry, cap: Capacity) -> int:
             for c in itertools.combinations(pool, n)
             if allowed(frozenset(c))
         ]
-        maximal = [s for s in choices if not any(s < other for other in choices)]
+        # `allowed` holds for every subset of an allowed set (fewer items place as
+        # easily), so a choice is maximal when adding any one more item is not allowed.
+        allowed_sets = set(choices)
+        maximal = [
+            s for s in choices if not any(s | {x} in allowed_sets for x in pool if x not in s)
+        ]
         return hit(t, held) + max(best(t + 1, s) for s in maximal)
 
     return best(0, frozenset())
