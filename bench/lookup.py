@@ -49,6 +49,8 @@ overloaded server, not the scheduler side.
 (`phases`).
 `--gc N`: full collections of the garbage collector at N entries, every 1,000 steps
 (`collections`).
+`--slowest N`: what the slowest of --serve-steps steps did at N entries: the collector's
+pauses, evictions and stores in them (`slowest`).
 `--memo-bytes N`: the chain memo's bound in the stream (the engine's by default); the
 stream reports the chunks the memo recalled per chunk keyed, and the bytes it holds.
 The stream keeps an open conversation per 50 entries, so a bound scaled with the entries
@@ -729,6 +731,66 @@ def collections(entries: int, rounds: int = 4, steps: int = 1000) -> dict[str, f
     return out
 
 
+def slowest(entries: int, steps: int = 3000, shown: int = 10) -> dict[str, float]:
+    """What the slowest steps did, once CPU memory is full (frozen as in `serving`): the
+    `shown` slowest one by one (ms, the collector's pauses within the step call and the
+    oldest generation they collected, the entries it evicted, the prefills it stored and
+    their prompts' tokens); p99 and max of the steps no collection fell in; then the
+    slowest 1 % against all steps in the mean. A pause is counted if it falls anywhere
+    in the step call, the stream's untimed modelling included, so it may exceed the
+    step's own time. The figures go into arrays, which the collector does not track: a
+    dict a step would itself bring on the collections it counts."""
+    stream = Serving(entries)
+    index = stream.side.index
+    gc.collect()
+    gc.freeze()
+    stream.fill()
+    names = ("ms", "gc ms", "gc generation", "evicted", "stores", "stored prompts' tokens")
+    columns = {name: array("d", bytes(8 * steps)) for name in names}
+    paused, started, oldest = [0.0], [0.0], [-1]  # oldest generation collected, -1: none
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            oldest[0] = max(oldest[0], info["generation"])
+        else:
+            paused[0] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(on_gc)
+    try:
+        for i in range(steps):
+            paused[0], oldest[0] = 0.0, -1
+            evicted, n = index.stats.cpu_evictions, len(stream.prefilled)
+            tokens = sum(r.num_prompt_tokens for r, _ in stream.prefilled)
+            secs, _ = stream.step()
+            columns["ms"][i] = secs * 1e3
+            columns["gc ms"][i] = paused[0] * 1e3
+            columns["gc generation"][i] = oldest[0]
+            columns["evicted"][i] = index.stats.cpu_evictions - evicted
+            columns["stores"][i] = n
+            columns["stored prompts' tokens"][i] = tokens
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.unfreeze()
+    order = sorted(range(steps), key=columns["ms"].__getitem__)
+    out = {}
+    for rank, i in enumerate(reversed(order[-shown:])):
+        for name in names:
+            out[f"#{rank + 1} {name}"] = columns[name][i]
+    # The collector's pauses walk whatever the process holds (vLLM's requests among it);
+    # the steps none fell in show the scheduler side's own cost.
+    quiet = [columns["ms"][i] for i in order if columns["gc generation"][i] < 0]
+    out["steps a collection fell in"] = steps - len(quiet)
+    out["steps without a collection: p99 ms"] = quiet[int(len(quiet) * 0.99)]
+    out["steps without a collection: max ms"] = quiet[-1]
+    top = order[int(steps * 0.99) :]
+    for label, group in (("slowest 1 %", top), ("all steps", order)):
+        for name in names:
+            if name != "gc generation":
+                out[f"{label}, mean {name}"] = sum(columns[name][i] for i in group) / len(group)
+    return out
+
+
 def print_figures(title: str, figures: dict[str, float], digits: int) -> None:
     print(f"{title}: " + ", ".join(f"{k} {v:.{digits}f}" for k, v in figures.items()))
 
@@ -778,9 +840,27 @@ def main() -> None:
         default=[],
         help="full collections once full, at these entries (`collections`)",
     )
+    p.add_argument(
+        "--slowest",
+        type=int,
+        nargs="*",
+        default=[],
+        help="what the slowest steps did at these entries (`slowest`; --serve-steps steps)",
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "lookup.json")
     args = p.parse_args()
-    if args.cold_lookups or args.lru_entries or args.row_growth or args.phases or args.gc:
+    if (
+        args.cold_lookups
+        or args.lru_entries
+        or args.row_growth
+        or args.phases
+        or args.gc
+        or args.slowest
+    ):
+        for entries in args.slowest:
+            print_figures(
+                f"{entries} entries, the slowest steps", slowest(entries, args.serve_steps), 2
+            )
         for entries in args.gc:
             print_figures(f"{entries} entries, full collections, ms", collections(entries), 2)
         for entries in args.phases:
