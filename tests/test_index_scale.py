@@ -17,6 +17,7 @@ import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 from unittest import mock
 
@@ -281,7 +282,7 @@ class Serving:
         what = rng.random()
         if not self.keys:
             return
-        key = rng.choice(list(self.keys)[-512:])
+        key = rng.choice(list(islice(reversed(self.keys), 512))[::-1])  # the last 512 used
         if what < 0.3 and not ix.known(key):
             ix.apply(0, WorkerReport(epoch=ix.epoch, disk=[(key, True)]))
             for rank in range(1, ix.ranks):
@@ -375,9 +376,10 @@ def rank_excess(order: Any, alpha: float) -> tuple[float, float]:
     used = [rows.used[b] for b in cands]
     eff = [rows.efficiency(b) for b in cands]
     rank = [rows.rank[b] for b in cands]
-    span = max(max(used) - min(used), 1)
+    low = min(used)
+    span = max(max(used) - low, 1)
     best = max(eff) or 1.0
-    utility = [(u - min(used)) / span + alpha * e / best for u, e in zip(used, eff, strict=True)]
+    utility = [(u - low) / span + alpha * e / best for u, e in zip(used, eff, strict=True)]
     first = min(range(len(cands)), key=lambda i: (rank[i], rows.seq[cands[i]]))
     scale = alpha * span / best
     drift = max(abs((r - u) / e - scale) * e for r, u, e in zip(rank, used, eff, strict=True))
