@@ -108,7 +108,8 @@ def chunk_keys(
 
 
 # What a remembered fingerprint costs beyond its chain's keys: its place in the map, the
-# fingerprint (vLLM's: a 32-byte bytes object) and the value's object header.
+# fingerprint (vLLM's: a 32-byte bytes object) and a share of its value's header (the
+# seed is counted in the value's length).
 FINGERPRINT_COST = 200
 
 
