@@ -141,7 +141,7 @@ class ChainMemo:
     A value is the seed and the chain's keys joined into one bytes object, shared by that
     chain's fingerprints: nothing the garbage collector walks, 16 bytes a key (a tuple of
     the two was tracked until a collection examined it, and at a million entries the
-    first full collection after a fill walked 17,000 of them: docs/benchmarks.md). What it
+    first full collection after a fill walked 17,500 of them: docs/benchmarks.md). What it
     holds is counted (`nbytes`: each joined chain once, FINGERPRINT_COST per fingerprint)
     and kept under `max_bytes`, least recently recalled or remembered out first, whatever
     the prompts' lengths.
