@@ -69,9 +69,7 @@ def main() -> None:
 
     rng = random.Random(args.seed)
     print(f"seed {args.seed}")
-    docs = [
-        [rng.randrange(1, 2000) for _ in range(args.doc_tokens)] for _ in range(args.documents)
-    ]
+    docs = [[rng.randrange(1, 2000) for _ in range(args.doc_tokens)] for _ in range(args.documents)]
     prompts = [
         doc + [rng.randrange(1, 2000) for _ in range(rng.randint(20, 80))]
         for _ in range(args.questions)
