@@ -6,7 +6,10 @@ format (`write_entry`, under the names DiskTier uses, with DiskTier-style fan-ou
 - constructs a fresh DiskTier on the directory `--repeats` times (scan + index + writability
   probe + start of the writer threads) and reports min and median, and times `rescan()`
   (the directory scan and index rebuild alone) in each;
-- times `contains` per call for keys in the index and for absent keys (one `stat` each).
+- times `contains` per call for keys in the index and for absent keys (one `stat` each);
+- measures the memory a worker's DiskTier holds per entry (`memory_per_entry`): built by
+  scanning the files (a restart), and after writing `--writes` entries itself (a running
+  engine, which also remembers the file it renamed into place for each).
 
 Prints a table and writes JSON (default bench/results/disk_index.json). Entry files that
 already exist with the right size are reused, so a second run on the same --dir is fast.
@@ -17,16 +20,21 @@ already exist with the right size are reused, so a second run on the same --dir 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import pathlib
 import platform
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import torch
 
 from hybridkv.core.keys import KEY_BYTES, group_key
@@ -110,6 +118,66 @@ def time_contains(root: Path, n_files: int, calls: int) -> dict[str, float]:
         tier.close()
 
 
+def held_per_entry(build: Callable[[], DiskTier], entries: int) -> dict[str, float]:
+    """Bytes per entry the tier `build` returns holds once built: tracemalloc's count of
+    what is still allocated of what was allocated meanwhile, and the growth of resident
+    memory (which adds what the allocator keeps of memory freed meanwhile, such as a
+    directory scan's); with the five allocation sites holding the most.
+
+    Left out of the count: allocations made in pathlib, which are transient here (the
+    tier keeps no paths) but include the interpreter's table of interned strings. pathlib
+    interns every file name it parses, and that table, which holds every interned string
+    of the process (vLLM's and torch's identifiers), is reallocated whole when it grows:
+    whichever call grows it would be charged with all of it (769 B an entry in a first
+    run of 5,000 writes, which keep no name alive)."""
+    gc.collect()
+    proc = psutil.Process()
+    rss = proc.memory_info().rss
+    tracemalloc.start()
+    try:
+        tier = build()
+        gc.collect()
+        snapshot = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    stats = snapshot.filter_traces([tracemalloc.Filter(False, pathlib.__file__)]).statistics(
+        "lineno"
+    )
+    traced = sum(st.size for st in stats)
+    top = stats[:5]
+    grown = proc.memory_info().rss - rss
+    tier.close()
+    return {
+        "entries": entries,
+        "traced_bytes_per_entry": round(traced / entries, 1),
+        "rss_bytes_per_entry": round(grown / entries, 1),
+        "top_sites": [f"{st.traceback[0]}: {st.size / entries:.1f} B/entry" for st in top],
+    }
+
+
+def memory_per_entry(root: Path, files: int, writes: int, entry_bytes: int) -> dict[str, dict]:
+    """What a worker's disk tier holds per entry (`held_per_entry`): built on `files`
+    existing files, and a new tier (in a directory of its own under `root`) after it
+    wrote `writes` entries, watched as the worker watches it (its journal of changes
+    drained every 64 puts, as each step's report drains it)."""
+    scanned = held_per_entry(lambda: DiskTier(root, FINGERPRINT, DESCRIPTION, 1 << 62), files)
+    entry = torch.zeros(entry_bytes, dtype=torch.int8)
+
+    def write() -> DiskTier:
+        shutil.rmtree(root / "writes", ignore_errors=True)
+        tier = DiskTier(root / "writes", FINGERPRINT, DESCRIPTION, 1 << 62)
+        tier.take_changes()  # from now on it journals what comes and goes
+        for i in range(writes):
+            tier.put(bench_key(i), entry)
+            if i % 64 == 63:
+                tier.take_changes()
+        tier.flush()
+        tier.take_changes()
+        return tier
+
+    return {"scanned": scanned, "written": held_per_entry(write, writes)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--files", type=int, default=100_000)
@@ -117,6 +185,7 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=None, help="default: a new temporary directory")
     p.add_argument("--repeats", type=int, default=5, help="tier constructions to time")
     p.add_argument("--calls", type=int, default=20_000, help="contains() calls per kind")
+    p.add_argument("--writes", type=int, default=20_000, help="entries put for the memory figure")
     p.add_argument("--json", type=Path, default=Path(__file__).parent / "results/disk_index.json")
     args = p.parse_args()
 
@@ -130,6 +199,7 @@ def main() -> None:
             sys.exit(f"{layout_dir} holds {on_disk} files, expected {args.files}; use a new --dir")
         startups, rescans = time_startups(root, args.repeats, args.files)
         contains_us = time_contains(root, args.files, min(args.calls, args.files))
+        memory = memory_per_entry(root, args.files, args.writes, args.entry_bytes)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -144,6 +214,7 @@ def main() -> None:
         "rescan_seconds": summary(rescans),
         "startup_us_per_file": round(min(startups) / args.files * 1e6, 3),
         "contains_us_per_call": {k: round(v, 3) for k, v in contains_us.items()},
+        "memory": memory,
         "dir": str(root),
         "dir_removed": args.dir is None,
         "machine": {
@@ -164,10 +235,20 @@ def main() -> None:
         ),
         ("contains, present", f"{contains_us['present']:.2f} µs/call"),
         ("contains, absent", f"{contains_us['absent']:.2f} µs/call"),
+        *(
+            (
+                f"memory, {how} ({m['entries']:,})",
+                f"{m['traced_bytes_per_entry']:.0f} B/entry traced, "
+                f"{m['rss_bytes_per_entry']:.0f} resident",
+            )
+            for how, m in memory.items()
+        ),
     ]
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
+    for how, m in memory.items():
+        print(f"where the {how} tier's memory is:", *m["top_sites"], sep="\n  ")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.json}")

@@ -17,12 +17,18 @@ bench/results/soak.json, the server log beside it.
     .venv/bin/python bench/soak.py                      # 10 minutes, qwen3-next tiny
     .venv/bin/python bench/soak.py --minutes 1 --interval 10
     .venv/bin/python bench/soak.py --no-connector        # the same without hybridkv
+    .venv/bin/python bench/soak.py --cpu-bytes 24MiB --disk-path /tmp/soak-disk --redis
+                                      # every tier, CPU memory small enough to evict all along
+
+`--redis` starts a redis-server of its own on loopback (tests/redis_servers.py) as the
+shared tier. The summary adds the scheduler side's eviction, promotion and error counters.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -37,6 +43,7 @@ from common import RESULTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import serving  # noqa: E402  (the test harness: one way to start and drive the server)
+from redis_servers import redis_server  # noqa: E402
 
 MAX_PROMPT = 3500  # max_model_len 4096 less room for the answer
 KINDS = {"new": 0.2, "document": 0.25, "repeat": 0.2, "turn": 0.2, "abort": 0.15}
@@ -121,6 +128,7 @@ class Soak:
         self.log_offset = 0
         self.last_stats: dict[str, Any] | None = None
         self.stats_seen = 0
+        self.idle_held: int | None = None
 
     # ---- requests ------------------------------------------------------------------------
     async def request(self, kind: str) -> None:
@@ -227,7 +235,9 @@ class Soak:
         lat = row.pop("latencies_s")
         row["p50_latency_s"] = round(statistics.median(lat), 3) if lat else None
         row["max_latency_s"] = round(max(lat), 3) if lat else None
-        row["rss_mib"] = round(self.srv.rss_bytes() / serving.MiB, 1)
+        by_process = self.srv.rss_by_process()
+        row["rss_mib"] = round(sum(by_process.values()) / serving.MiB, 1)
+        row["rss_mib_by_process"] = {k: round(v / serving.MiB, 1) for k, v in by_process.items()}
         row["alive"] = self.srv.alive()
         row["preemptions_total"] = metrics.get("vllm:num_preemptions_total")
         row["running"] = metrics.get("vllm:num_requests_running")
@@ -247,7 +257,35 @@ class Soak:
         tasks = [self.client_loop() for _ in range(self.args.clients)]
         await asyncio.gather(self.sampler(), self.bursts(), *tasks)
         await self.sample()  # what finished after the last tick
+        self.idle_held = await self.held_once_idle()
         await self.client.close()
+
+    async def held_once_idle(self, timeout_s: float = 120) -> int | None:
+        """Entries still pinned once no request is left (any is a leaked pin), None if the
+        server never went idle or logged no record. The scheduler side logs its stats at
+        most every 10 s and only while the engine steps, so once vLLM reports nothing
+        running or waiting, prompts shorter than a chunk (nothing to hit or store, so no
+        pins of their own) keep it stepping until the next record."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and self.srv.alive():
+            m = await self.srv.ametrics()
+            if not m.get("vllm:num_requests_running") and not m.get("vllm:num_requests_waiting"):
+                break
+            await asyncio.sleep(1)
+        else:
+            return None
+        self.read_stats()
+        seen = self.stats_seen
+        while time.monotonic() < end and self.srv.alive():
+            await serving.complete(self.client, self.srv.model, IDLE_PROMPT, 1)
+            self.read_stats()
+            if self.stats_seen > seen and self.last_stats is not None:
+                return self.last_stats.get("held_entries")
+            await asyncio.sleep(1)
+        return None
+
+
+IDLE_PROMPT = list(range(1, 9))  # shorter than any model's chunk
 
 
 HEADER = (
@@ -297,21 +335,40 @@ def totals(intervals: list[dict[str, Any]]) -> dict[str, Any]:
     rss = [r["rss_mib"] for r in intervals if r["rss_mib"]]
     if rss:
         out["rss_mib_first"], out["rss_mib_last"], out["rss_mib_max"] = rss[0], rss[-1], max(rss)
+        first, last = intervals[0]["rss_mib_by_process"], intervals[-1]["rss_mib_by_process"]
+        out["rss_mib_by_process"] = {k: (first.get(k), v) for k, v in last.items()}
     stats = [r["hybridkv"] for r in intervals if r["hybridkv"]]
     if stats:
         out["hybridkv_hit_rate_pct"] = hit_rate(None, stats[-1])
         out["held_entries_last"] = stats[-1].get("held_entries")
         out["held_entries_max"] = max(s.get("held_entries", 0) for s in stats)
+        last = stats[-1]
+        for key in COUNTERS:
+            out[key] = last.get(key)
     return out
 
 
-def start(args: argparse.Namespace) -> serving.Server:
+# The scheduler side's counters the summary shows (its `hybridkv stats` record): the tiers
+# at work, and anything that went wrong on its side.
+COUNTERS = (
+    "cpu_evictions",
+    "cpu_full",
+    "lookups_by_tier",
+    "promoted_from",
+    "failed_promotions",
+    "hook_errors",
+)
+
+
+def start(args: argparse.Namespace, redis_url: str | None) -> serving.Server:
     from hybridkv.models import default_model_dir, make_model
 
     model = make_model(args.arch, args.model or default_model_dir(args.arch, args.size), args.size)
     extra: dict[str, Any] = {"cpu_bytes": args.cpu_bytes}
     if args.disk_path:
         extra.update(disk_path=args.disk_path, disk_bytes=args.disk_bytes)
+    if redis_url:
+        extra.update(redis_url=redis_url)
     return serving.start_server(
         str(model),
         args.log,
@@ -343,6 +400,7 @@ def main() -> None:
     p.add_argument("--cpu-bytes", default="256MiB")
     p.add_argument("--disk-path", help="hybridkv disk tier directory (default: off)")
     p.add_argument("--disk-bytes", default="2GiB")
+    p.add_argument("--redis", action="store_true", help="a redis-server of its own as shared tier")
     p.add_argument(
         "--no-connector", action="store_true", help="the same server without hybridkv (baseline)"
     )
@@ -350,12 +408,14 @@ def main() -> None:
     p.add_argument("--log", type=Path, default=RESULTS / "soak-server.log")
     args = p.parse_args()
 
-    srv = start(args)
-    soak = Soak(srv, Workload(args.seed, args.docs, args.doc_tokens), args)
-    try:
-        asyncio.run(soak.run())
-    finally:
-        code = srv.stop()
+    with contextlib.ExitStack() as stack:
+        redis_url = stack.enter_context(redis_server()).url if args.redis else None
+        srv = start(args, redis_url)
+        soak = Soak(srv, Workload(args.seed, args.docs, args.doc_tokens), args)
+        try:
+            asyncio.run(soak.run())
+        finally:
+            code = srv.stop()
     problems = serving.log_problems(srv.log_lines())
     result = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -370,6 +430,7 @@ def main() -> None:
             "log_problem_lines": len(problems),
             "log_problems": problems[:40],
             "hybridkv_stats_records": soak.stats_seen,
+            "held_entries_once_idle": soak.idle_held,
         },
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -394,10 +455,16 @@ def print_summary(result: dict[str, Any]) -> None:
             f"{t.get('rss_mib_first', '-')} / {t.get('rss_mib_last', '-')} / "
             f"{t.get('rss_mib_max', '-')}",
         ),
+        *(
+            (f"  {name} first / last", f"{a} / {b}")
+            for name, (a, b) in t.get("rss_mib_by_process", {}).items()
+        ),
         ("repeats compared / mismatched", f"{t['repeats_compared']} / {t['repeat_mismatches']}"),
         ("server exit code / died", f"{s['exit_code']} / {s['died']}"),
         ("error lines in server log", str(s["log_problem_lines"])),
         ("hybridkv stats records seen", str(s["hybridkv_stats_records"])),
+        ("held entries once idle (must be 0)", str(s.get("held_entries_once_idle", "-"))),
+        *((key.replace("_", " "), str(t.get(key, "-"))) for key in COUNTERS),
     ]
     width = max(len(k) for k, _ in rows)
     print()

@@ -312,20 +312,21 @@ class Server:
             r.raise_for_status()
             return parse_metrics(r.text)
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the server and all its children (engine core, workers)."""
+    def rss_by_process(self) -> dict[str, int]:
+        """Resident memory of the server and of each of its children (engine core,
+        workers), by "name:pid"."""
         try:
             root = psutil.Process(self.proc.pid)
             procs = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
-            return 0
-        total = 0
+            return {}
+        out = {}
         for p in procs:
             try:
-                total += p.memory_info().rss
+                out[f"{p.name()}:{p.pid}"] = p.memory_info().rss
             except psutil.NoSuchProcess:
                 continue
-        return total
+        return out
 
     def stop(self, grace: float = 60) -> int | None:
         """SIGTERM (vLLM shuts the engine core down and hybridkv drains its disk queue),
