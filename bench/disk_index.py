@@ -27,6 +27,7 @@ import pathlib
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -118,21 +119,29 @@ def time_contains(root: Path, n_files: int, calls: int) -> dict[str, float]:
         tier.close()
 
 
-def held_per_entry(build: Callable[[], DiskTier], entries: int) -> dict[str, float]:
-    """Bytes per entry the tier `build` returns holds once built: tracemalloc's count of
-    what is still allocated of what was allocated meanwhile, and the growth of resident
-    memory (which adds what the allocator keeps of memory freed meanwhile, such as a
-    directory scan's); with the five allocation sites holding the most.
+def held_per_entry(build: Callable[[], DiskTier], entries: int, traced: bool) -> dict:
+    """Bytes per entry the tier `build` returns holds once built, in this process (run it
+    in a fresh one: memory freed by earlier work would be reused): with `traced`,
+    tracemalloc's count of what is still allocated of what was allocated meanwhile, and
+    the five allocation sites holding the most; without, the growth of resident memory,
+    which adds what the allocator keeps of memory freed meanwhile (such as a directory
+    scan's), and which tracemalloc's own tables would inflate.
 
-    Left out of the count: allocations made in pathlib, which are transient here (the
-    tier keeps no paths) but include the interpreter's table of interned strings. pathlib
-    interns every file name it parses, and that table, which holds every interned string
-    of the process (vLLM's and torch's identifiers), is reallocated whole when it grows:
-    whichever call grows it would be charged with all of it (769 B an entry in a first
-    run of 5,000 writes, which keep no name alive)."""
+    Left out of the traced count: allocations made in pathlib, which are transient here
+    (the tier keeps no paths) but include the interpreter's table of interned strings.
+    pathlib interns every file name it parses, and that table, which holds every interned
+    string of the process (vLLM's and torch's identifiers), is reallocated whole when it
+    grows: whichever call grows it would be charged with all of it (769 B an entry in a
+    first run of 5,000 writes, which keep no name alive)."""
     gc.collect()
-    proc = psutil.Process()
-    rss = proc.memory_info().rss
+    if not traced:
+        proc = psutil.Process()
+        rss = proc.memory_info().rss
+        tier = build()
+        gc.collect()
+        grown = proc.memory_info().rss - rss
+        tier.close()
+        return {"rss_bytes_per_entry": round(grown / entries, 1)}
     tracemalloc.start()
     try:
         tier = build()
@@ -140,27 +149,22 @@ def held_per_entry(build: Callable[[], DiskTier], entries: int) -> dict[str, flo
         snapshot = tracemalloc.take_snapshot()
     finally:
         tracemalloc.stop()
+    tier.close()
     stats = snapshot.filter_traces([tracemalloc.Filter(False, pathlib.__file__)]).statistics(
         "lineno"
     )
-    traced = sum(st.size for st in stats)
-    top = stats[:5]
-    grown = proc.memory_info().rss - rss
-    tier.close()
     return {
-        "entries": entries,
-        "traced_bytes_per_entry": round(traced / entries, 1),
-        "rss_bytes_per_entry": round(grown / entries, 1),
-        "top_sites": [f"{st.traceback[0]}: {st.size / entries:.1f} B/entry" for st in top],
+        "traced_bytes_per_entry": round(sum(st.size for st in stats) / entries, 1),
+        "top_sites": [f"{st.traceback[0]}: {st.size / entries:.1f} B/entry" for st in stats[:5]],
     }
 
 
-def memory_per_entry(root: Path, files: int, writes: int, entry_bytes: int) -> dict[str, dict]:
-    """What a worker's disk tier holds per entry (`held_per_entry`): built on `files`
-    existing files, and a new tier (in a directory of its own under `root`) after it
-    wrote `writes` entries, watched as the worker watches it (its journal of changes
-    drained every 64 puts, as each step's report drains it)."""
-    scanned = held_per_entry(lambda: DiskTier(root, FINGERPRINT, DESCRIPTION, 1 << 62), files)
+def build_tier(root: Path, how: str, writes: int, entry_bytes: int) -> Callable[[], DiskTier]:
+    """A tier built on the files under `root` ("scanned"), or a new one in a directory of
+    its own that writes `writes` entries, watched as the worker watches it (its journal
+    of changes drained every 64 puts, as each step's report drains it)."""
+    if how == "scanned":
+        return lambda: DiskTier(root, FINGERPRINT, DESCRIPTION, 1 << 62)
     entry = torch.zeros(entry_bytes, dtype=torch.int8)
 
     def write() -> DiskTier:
@@ -175,7 +179,22 @@ def memory_per_entry(root: Path, files: int, writes: int, entry_bytes: int) -> d
         tier.take_changes()
         return tier
 
-    return {"scanned": scanned, "written": held_per_entry(write, writes)}
+    return write
+
+
+def memory_per_entry(root: Path, files: int, writes: int, entry_bytes: int) -> dict[str, dict]:
+    """What a worker's disk tier holds per entry (`held_per_entry`), each figure from a
+    fresh process: built on `files` existing files, and after writing `writes` entries."""
+    out: dict[str, dict] = {}
+    for how, entries in (("scanned", files), ("written", writes)):
+        out[how] = {"entries": entries}
+        for traced in (False, True):
+            argv = [sys.executable, __file__, "--memory-child", how, "--dir", str(root)]
+            argv += ["--files", str(files), "--writes", str(writes)]
+            argv += ["--entry-bytes", str(entry_bytes)] + (["--traced"] if traced else [])
+            child = subprocess.run(argv, capture_output=True, text=True, check=True)
+            out[how].update(json.loads(child.stdout.strip().splitlines()[-1]))
+    return out
 
 
 def main() -> None:
@@ -186,8 +205,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="tier constructions to time")
     p.add_argument("--calls", type=int, default=20_000, help="contains() calls per kind")
     p.add_argument("--writes", type=int, default=20_000, help="entries put for the memory figure")
+    p.add_argument("--memory-child", choices=["scanned", "written"], help=argparse.SUPPRESS)
+    p.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, default=Path(__file__).parent / "results/disk_index.json")
     args = p.parse_args()
+    if args.memory_child:  # one figure of `memory_per_entry`, as a line of JSON
+        entries = args.files if args.memory_child == "scanned" else args.writes
+        build = build_tier(args.dir, args.memory_child, args.writes, args.entry_bytes)
+        print(json.dumps(held_per_entry(build, entries, args.traced)))
+        return
 
     root = args.dir or Path(tempfile.mkdtemp(prefix="hybridkv-bench-"))
     layout_dir = root / FINGERPRINT.hex()
