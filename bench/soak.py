@@ -262,11 +262,18 @@ class Soak:
 
     async def held_once_idle(self, timeout_s: float = 120) -> int | None:
         """Entries still pinned once no request is left (any is a leaked pin), None if the
-        server never went idle or logged no record. The scheduler side logs its stats at
-        most every 10 s and only while the engine steps, so once vLLM reports nothing
-        running or waiting, prompts shorter than a chunk (nothing to hit or store, so no
-        pins of their own) keep it stepping until the next record."""
-        end = time.monotonic() + timeout_s
+        server never went idle, logged no record or failed meanwhile (the run's rows say
+        whether it died). The scheduler side logs its stats at most every 10 s and only
+        while the engine steps, so once vLLM reports nothing running or waiting, prompts
+        shorter than a chunk (nothing to hit or store, so no pins of their own) keep it
+        stepping until the next record."""
+        try:
+            return await self._held_once_idle(time.monotonic() + timeout_s)
+        except Exception as e:
+            print(f"no figure for the entries pinned once idle: {e!r}", flush=True)
+            return None
+
+    async def _held_once_idle(self, end: float) -> int | None:
         while time.monotonic() < end and self.srv.alive():
             m = await self.srv.ametrics()
             if not m.get("vllm:num_requests_running") and not m.get("vllm:num_requests_waiting"):
