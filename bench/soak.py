@@ -339,10 +339,11 @@ def totals(intervals: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {k: sum(r[k] for r in intervals) for k in keys}
     out["repeats_compared"] = sum(r["repeats_compared"] for r in intervals)
     out["repeat_mismatches"] = sum(r["repeat_mismatches"] for r in intervals)
-    rss = [r["rss_mib"] for r in intervals if r["rss_mib"]]
-    if rss:
+    sampled = [r for r in intervals if r["rss_mib"]]  # the server was up
+    if sampled:
+        rss = [r["rss_mib"] for r in sampled]
         out["rss_mib_first"], out["rss_mib_last"], out["rss_mib_max"] = rss[0], rss[-1], max(rss)
-        first, last = intervals[0]["rss_mib_by_process"], intervals[-1]["rss_mib_by_process"]
+        first, last = sampled[0]["rss_mib_by_process"], sampled[-1]["rss_mib_by_process"]
         out["rss_mib_by_process"] = {k: (first.get(k), v) for k, v in last.items()}
     stats = [r["hybridkv"] for r in intervals if r["hybridkv"]]
     if stats:
