@@ -1,12 +1,19 @@
 """core/recency.py against a plain list in recency order: adds, uses (one or many),
 discards, holds and choices that stop part way, on random histories. A held key is
-never a candidate, and the candidates are the unheld keys, least recently used first."""
+never a candidate, and the candidates are the unheld keys, least recently used first.
+And core/linked_keys.py's `LruMap` (the tiers' maps) against an `OrderedDict`."""
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
+from collections import OrderedDict
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridkv.core.linked_keys import LruMap
 from hybridkv.core.recency import RecencyQueue
 
 
@@ -62,3 +69,69 @@ def test_recency_queue_equals_a_list(ops):
     assert list(queue.candidates(held.__contains__)) == [k for k in order if k not in held]
     queue.clear()
     assert len(queue) == 0 and list(queue.candidates(held.__contains__)) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["set", "set", "get", "pop", "del", "popitem", "move", "clear"]),
+            st.integers(0, 11),  # a key
+            st.integers(-(1 << 63), (1 << 63) - 1),  # a value
+            st.booleans(),  # popitem's `last`
+        ),
+        max_size=150,
+    ),
+    items=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 1 << 40)), max_size=8),
+)
+def test_lru_map_equals_an_ordered_dict(ops, items):
+    """Same values, same order, same errors; slots handed out again after removals."""
+    start = [(bytes([k]) * 18, v) for k, v in items]
+    lru, od = LruMap(start), OrderedDict(start)
+    for op, n, value, last in ops:
+        key = bytes([n]) * 18
+        if op == "set":
+            lru[key] = od[key] = value
+        elif op == "get":
+            assert lru.get(key) == od.get(key) and lru.get(key, -1) == od.get(key, -1)
+            assert (key in lru) == (key in od)
+            if key in od:
+                assert lru[key] == od[key]
+        elif op == "pop":
+            assert lru.pop(key, None) == od.pop(key, None)
+        elif op in ("del", "move") and key not in od or op == "popitem" and not od:
+            with pytest.raises(KeyError):
+                if op == "del":
+                    del lru[key]
+                elif op == "move":
+                    lru.move_to_end(key)
+                else:
+                    lru.popitem(last)
+        elif op == "del":
+            del lru[key], od[key]
+        elif op == "move":
+            lru.move_to_end(key)
+            od.move_to_end(key)
+        elif op == "popitem":
+            assert lru.popitem(last) == od.popitem(last)
+        else:
+            lru.clear()
+            od.clear()
+        assert len(lru) == len(od) and list(lru) == list(od) and lru.keys() == list(od)
+
+
+def test_lru_map_holds_no_object_per_key():
+    """What the tiers' maps are built for: a full collection follows no reference per
+    key (it follows two per key of an `OrderedDict`), and an entry costs less than in
+    one (about 120 bytes against 190 at this size)."""
+    keys = [i.to_bytes(18, "big") for i in range(100_000)]
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        lru = LruMap((key, 4160) for key in keys)
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert held / len(keys) < 150
+    assert sum(len(gc.get_referents(part)) for part in vars(lru).values()) < 10
+    assert len(lru) == len(keys) and lru[keys[-1]] == 4160 and next(iter(lru)) == keys[0]

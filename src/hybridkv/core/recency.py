@@ -10,18 +10,15 @@ place when it is released (`_ready`): everything set aside is older than everyth
 in the list, so the order is the same as the plain list's and each held entry costs O(1)
 per hold, not per choice.
 
-The order is a doubly linked list through columns of slot numbers (native `Column`s,
-src/hybridkv/_columns.c, which grow a page at a time: an `array.array` of a million slots
-grows by copying itself whole), each key's slot in a native `KeyTable`
-(core/keytable.py) and each slot's key in a `Column` of short keys, not an
-`OrderedDict`: CPython's garbage collector walks every key of an `OrderedDict` in each
-full collection, on vLLM's scheduler thread (`LruPolicy` holds every entry in CPU memory,
-a million in production), and never looks inside a column or a `KeyTable`. A
-`KeyTable` never rebuilds while its keys come and go and grows a 64th at a time (the
-longest admission at a million entries: 116-121 ms with one dict per map, 3.7-5.0 ms
-with dicts split 64 ways, 1.0-2.2 ms with a `KeyTable`: `bench/lookup.py --lru-entries`,
-docs/benchmarks.md), and its lookups of keys no recent step touched miss the cache less
-than a dict's.
+The order is a `LinkedKeys` list (core/linked_keys.py: a native `KeyTable` and
+`Column`s, no Python object per key), not an `OrderedDict`: CPython's garbage collector
+walks every key of an `OrderedDict` in each full collection, on vLLM's scheduler thread
+(`LruPolicy` holds every entry in CPU memory, a million in production), and never looks
+inside a column or a `KeyTable`. A `KeyTable` never rebuilds while its keys come and go
+and grows a 64th at a time (the longest admission at a million entries: 116-121 ms with
+one dict per map, 3.7-5.0 ms with dicts split 64 ways, 1.0-2.2 ms with a `KeyTable`:
+`bench/lookup.py --lru-entries`, docs/benchmarks.md), and its lookups of keys no recent
+step touched miss the cache less than a dict's.
 """
 
 from __future__ import annotations
@@ -30,20 +27,12 @@ from collections.abc import Callable, Iterable, Iterator
 
 from sortedcontainers import SortedList
 
-from hybridkv._columns import Column
-from hybridkv.core.keytable import KeyTable
-
-END = 0  # the list's sentinel slot: its next is the oldest key, its previous the newest
+from hybridkv.core.linked_keys import END, LinkedKeys
 
 
-class RecencyQueue:
+class RecencyQueue(LinkedKeys):
     def __init__(self) -> None:
-        self._slots = KeyTable()  # key -> its slot in the list
-        self._keys = Column("k")  # slot -> its key
-        self._next = Column("q")
-        self._prev = Column("q")
-        self._free = Column("q")  # slots to hand out again
-        self._new_slot()  # END
+        super().__init__()
         self._held: dict[bytes, int] = {}  # set aside from the front -> its place
         self._ready: SortedList = SortedList()  # (place, key) set aside, then released
         self._places = 0
@@ -54,37 +43,15 @@ class RecencyQueue:
     def __contains__(self, key: bytes) -> bool:
         return key in self._slots or key in self._held
 
-    def _unlink(self, slot: int) -> None:
-        nxt, prv = self._next[slot], self._prev[slot]
-        self._next[prv], self._prev[nxt] = nxt, prv
-
-    def _append(self, slot: int) -> None:
-        last = self._prev[END]
-        self._next[last], self._prev[slot] = slot, last
-        self._next[slot], self._prev[END] = END, slot
-
     def add(self, key: bytes) -> None:
         """Add the key, or make it the most recently used."""
         if key in self._held:
             self.discard(key)
         slot = self._slots.get(key)
-        if slot is not None:
-            self._unlink(slot)
-            self._append(slot)
-            return
-        slot = self._free[-1] if self._free else len(self._next)
-        self._slots[key] = slot  # first: a key the KeyTable refuses (over 23 bytes) changes nothing
-        if self._free:
-            self._free.pop()
+        if slot is None:
+            self._link_new(key)
         else:
-            self._new_slot()
-        self._keys[slot] = key
-        self._append(slot)
-
-    def _new_slot(self) -> None:
-        self._next.append(END)
-        self._prev.append(END)
-        self._keys.append(b"")
+            self._to_end(slot)
 
     def use(self, key: bytes) -> None:
         """Make the key the most recently used, if it is here."""
@@ -109,10 +76,6 @@ class RecencyQueue:
         place = self._held.pop(key, None)
         if place is not None:
             self._ready.discard((place, key))
-
-    def _remove(self, slot: int) -> None:
-        self._unlink(slot)
-        self._free.append(slot)
 
     def hold(self, keys: list[bytes], held: bool) -> None:
         """The keys became held, or evictable again (set aside keys return to their place;
@@ -149,9 +112,6 @@ class RecencyQueue:
                 yield key
 
     def clear(self) -> None:
-        self._slots.clear()
-        for column in (self._keys, self._next, self._prev, self._free):
-            column.clear()
-        self._new_slot()
+        super().clear()
         self._held.clear()
         self._ready.clear()

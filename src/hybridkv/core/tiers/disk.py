@@ -35,7 +35,7 @@ import stat
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,6 +45,8 @@ import torch
 
 from hybridkv.core.background import lower_priority
 from hybridkv.core.keys import KEY_BYTES
+from hybridkv.core.keytable import KeyTable
+from hybridkv.core.linked_keys import LruMap
 from hybridkv.core.tiers.base import TierStats
 from hybridkv.core.tiers.entry_file import (
     FILE_VERSION,
@@ -73,6 +75,7 @@ _LAYOUT_JSON_LIMIT = 1 << 20
 STALE_TMP_SECONDS = 3600.0
 # Below this many bytes a batch of reads is done in the calling thread.
 _PARALLEL_READ_BYTES = 4 << 20
+_U64 = (1 << 64) - 1  # an inode number from its signed 64-bit value in `_written`
 # Tiers of this process still running: their temporary files are not leftovers.
 _live_tokens: set[str] = set()
 
@@ -147,8 +150,9 @@ def discard(path: str | os.PathLike, file_id: tuple[int, int] | None = None) -> 
         return False
 
 
-class _JournaledIndex(OrderedDict[bytes, int]):
-    """The tier's index (key -> file bytes, least recently used first) that also notes
+class _JournaledIndex(LruMap):
+    """The tier's index (key -> file bytes, least recently used first; native, no Python
+    object per file: core/linked_keys.py) that also notes
     which keys came and went, once someone watches (`DiskTier.take_changes`): the worker
     reports them to the scheduler side, which plans hits around what is on disk.
 
@@ -198,8 +202,8 @@ class _JournaledIndex(OrderedDict[bytes, int]):
         self._log(key, None)
         return key, size
 
-    def move_to_end(self, key: bytes, last: bool = True) -> None:
-        super().move_to_end(key, last)
+    def move_to_end(self, key: bytes) -> None:
+        super().move_to_end(key)
         self._log(key, self[key])
 
 
@@ -252,8 +256,11 @@ class DiskTier(QueuedTier):
         # key -> file bytes, least recently used first.
         self._index = _JournaledIndex()
         self._used = 0
-        # Files this tier renamed into place, key -> (st_dev, st_ino): what clear() removes.
-        self._written: dict[bytes, tuple[int, int]] = {}
+        # Files this tier renamed into place, key -> st_ino (as a signed 64-bit value):
+        # what clear() removes. Every one is in the layout directory, on its filesystem
+        # (`_dev`); a native table, as the index is: one entry per file written.
+        self._written = KeyTable()
+        self._dev: int | None = None
         # Files found unusable but left in place (another version's or key's), key ->
         # (st_dev, st_ino): absent for contains() and the index until replaced, so that
         # this engine stores the entry again rather than skip it as stored.
@@ -428,8 +435,8 @@ class DiskTier(QueuedTier):
         """Journal the keys a rescan found come or gone: `keys` were the new index's when
         it replaced `old`, which nobody changes any more, so the difference is taken
         without the lock. A key noted since the swap has a newer note already."""
-        gone = old.keys() - keys
-        came = keys - old.keys()
+        gone = [k for k in old if k not in keys]
+        came = [k for k in keys if k not in old]
         with self._lock:
             noted, new.noted = new.noted or set(), None
             if new.changes is not None:
@@ -567,10 +574,10 @@ class DiskTier(QueuedTier):
         writers' entries in a shared directory stay: they are not this engine's to reset."""
         with self._lock:
             self._cancel_all()
-            written, self._written = self._written, {}
+            written, self._written = self._written, KeyTable()
             for key in written:
                 self._used -= self._index.pop(key, 0)
-            self._hand_over(written)
+            self._hand_over({key: (self._dev, ino & _U64) for key, ino in written.items()})
 
     @never_raises()
     def close(self) -> None:
@@ -639,6 +646,17 @@ class DiskTier(QueuedTier):
             self._doom(key, None)
             victims.append(key)
         return victims
+
+    def _note_written(self, key: bytes, st: os.stat_result) -> None:
+        """Remember the file renamed into place under `key` for clear(); one on another
+        filesystem than the first written (something mounted inside the layout
+        directory) is not remembered, and stays. Holds the lock."""
+        if self._dev is None:
+            self._dev = st.st_dev
+        if st.st_dev == self._dev:
+            self._written[key] = st.st_ino - (1 << 64) if st.st_ino >> 63 else st.st_ino
+        else:
+            self._written.pop(key, None)
 
     # ---- unlinks, off the caller's thread ------------------------------------------------------
     def _gone(self, key: bytes) -> bool:
@@ -741,7 +759,7 @@ class DiskTier(QueuedTier):
                     self._used += pending[1]
                 self._index[key] = pending[1]
                 self._index.move_to_end(key)
-                self._written[key] = (st.st_dev, st.st_ino)
+                self._note_written(key, st)
                 self._kept.pop(key, None)
                 self._stats.puts += 1
         except Exception as e:  # a writer thread must survive anything: flush() waits on it

@@ -62,7 +62,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +76,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from hybridkv.core.background import lower_priority
+from hybridkv.core.linked_keys import LruMap
 from hybridkv.core.tiers.base import TierStats
 from hybridkv.core.tiers.entry_file import (
     HEADER_BYTES,
@@ -172,7 +173,7 @@ class RedisTier(QueuedTier):
         self._backoff_max = backoff_max_s
         self._client: redis.Redis | RedisCluster | None = None
         self._wake = threading.Condition(self._lock)  # the probe waits on it
-        self._stored: OrderedDict[bytes, int] = OrderedDict()
+        self._stored = LruMap()
         self._stored_bytes = 0
         # The write queue (self._queue) takes keys (to write), `_Delete`s and lists of
         # names (to unlink), in order. Deletes queued, by key, until done: reads miss them.
