@@ -350,9 +350,7 @@ def totals(intervals: list[dict[str, Any]]) -> dict[str, Any]:
         out["hybridkv_hit_rate_pct"] = hit_rate(None, stats[-1])
         out["held_entries_last"] = stats[-1].get("held_entries")
         out["held_entries_max"] = max(s.get("held_entries", 0) for s in stats)
-        last = stats[-1]
-        for key in COUNTERS:
-            out[key] = last.get(key)
+        out.update({key: stats[-1].get(key) for key in COUNTERS})
     return out
 
 

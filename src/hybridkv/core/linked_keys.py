@@ -94,8 +94,8 @@ class LruMap(LinkedKeys):
     """Keys with an integer each (a file's or a value's bytes), least recently used
     first: the part of `OrderedDict`'s interface the tiers use. Setting a key already
     here changes its value, not its place; `move_to_end` and `popitem(last=False)` move
-    and take from the order. Iteration and `keys()` are oldest first; iteration must not
-    run while the map changes."""
+    and take from the order. Iteration is oldest first and must not run while the map
+    changes."""
 
     def __init__(self, items: Iterable[tuple[bytes, int]] = ()) -> None:
         self._values = Column("q")  # slot -> value (first: the sentinel's slot takes a row)
@@ -147,9 +147,6 @@ class LruMap(LinkedKeys):
     def __iter__(self) -> Iterator[bytes]:
         key_of = self._keys.__getitem__
         return (key_of(slot) for slot in self._slots_in_order())
-
-    def keys(self) -> list[bytes]:
-        return list(self)
 
     def clear(self) -> None:
         self._values.clear()

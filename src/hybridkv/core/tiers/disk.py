@@ -98,8 +98,9 @@ def scan_layout_dir(layout_dir: str | os.PathLike) -> Iterator[os.DirEntry]:
 
     One fan-out directory is listed at a time: a `DirEntry` holds its name, its path and
     the stat a caller asks of it, and with every one listed first a tier built on 100,000
-    files kept 952 bytes an entry resident, against 355 so (the allocator keeps memory
-    freed among the index's own objects; `bench/disk_index.py`, docs/benchmarks.md)."""
+    files kept 952 bytes an entry resident, against 355 so, both with the index of then
+    (the allocator keeps memory freed among the index's own objects; `bench/disk_index.py`,
+    docs/benchmarks.md)."""
     try:
         top = list(os.scandir(layout_dir))
     except FileNotFoundError:
