@@ -4,8 +4,8 @@
  * Open addressing with linear probing, the key stored in its slot (32 bytes: value,
  * length, up to 23 key bytes), deletion by backward shift (no tombstones). Split into 64
  * parts by the key's hash, so that growing one part rehashes a 64th of the keys. Bulk
- * calls (`missing`, `present`, `get_many`) hash a batch of keys and prefetch their first
- * slots before probing any, so the cache misses of a batch overlap.
+ * calls (`missing`, `present`, `get_many`, `pop_many`) hash a batch of keys and prefetch
+ * their first slots before probing any, so the cache misses of a batch overlap.
  *
  * Everything runs with the GIL held and calls nothing that can release it or run Python
  * code between a lookup and its use: no slot pointer outlives a resize.
@@ -303,7 +303,7 @@ static PyObject *KeyTable_setdefault(KeyTable *t, PyObject *const *args, Py_ssiz
     return Py_NewRef(args[1]);
 }
 
-enum { MISSING, PRESENT, GET_MANY };
+enum { MISSING, PRESENT, GET_MANY, POP_MANY };
 
 /* One pass over `keys` in batches: hash and prefetch a batch, then probe it. */
 static PyObject *bulk(KeyTable *t, PyObject *keys, int mode, PyObject *dflt) {
@@ -313,7 +313,7 @@ static PyObject *bulk(KeyTable *t, PyObject *keys, int mode, PyObject *dflt) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     /* Making a list can run a collection, and so Python code that changes `keys`: their
      * items are read only after it (nothing below allocates a tracked object). */
-    PyObject *out = PyList_New(mode == GET_MANY ? n : 0);
+    PyObject *out = PyList_New(mode >= GET_MANY ? n : 0);
     if (out == NULL)
         goto fail;
     if (PySequence_Fast_GET_SIZE(seq) != n) {
@@ -348,11 +348,14 @@ static PyObject *bulk(KeyTable *t, PyObject *keys, int mode, PyObject *dflt) {
                 s = find(part_of(t, h), h, (const uint8_t *)PyBytes_AS_STRING(key),
                          (size_t)PyBytes_GET_SIZE(key));
             }
-            if (mode == GET_MANY) {
+            if (mode >= GET_MANY) {
                 PyObject *v = s != NULL ? PyLong_FromLongLong(s->value) : Py_NewRef(dflt);
                 if (v == NULL)
                     goto fail;
                 PyList_SET_ITEM(out, i, v);
+                /* Erasing shifts slots, not hashes: the batch's later keys probe anew. */
+                if (mode == POP_MANY && s != NULL)
+                    erase(t, s);
             } else if ((s == NULL) == (mode == MISSING) && PyList_Append(out, key) < 0) {
                 goto fail;
             }
@@ -380,6 +383,14 @@ static PyObject *KeyTable_get_many(KeyTable *t, PyObject *const *args, Py_ssize_
         return NULL;
     }
     return bulk(t, args[0], GET_MANY, args[1]);
+}
+
+static PyObject *KeyTable_pop_many(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "pop_many(keys, default)");
+        return NULL;
+    }
+    return bulk(t, args[0], POP_MANY, args[1]);
 }
 
 enum { KEYS, VALUES, ITEMS };
@@ -472,6 +483,8 @@ static PyMethodDef KeyTable_methods[] = {
     {"present", (PyCFunction)KeyTable_present, METH_O, "The keys here, in their order."},
     {"get_many", (PyCFunction)(void (*)(void))KeyTable_get_many, METH_FASTCALL,
      "`get` of each key, in their order."},
+    {"pop_many", (PyCFunction)(void (*)(void))KeyTable_pop_many, METH_FASTCALL,
+     "`pop` of each key with a default, in their order (a key twice: the default the second time)."},
     {"keys", (PyCFunction)KeyTable_keys, METH_NOARGS, "A list of the keys."},
     {"values", (PyCFunction)KeyTable_values, METH_NOARGS, "A list of the values."},
     {"items", (PyCFunction)KeyTable_items, METH_NOARGS, "A list of (key, value)."},

@@ -311,7 +311,9 @@ class GraphWatcher(Protocol):
 
     def removed(self, b: int) -> None: ...
 
-    def orphaned(self, key: bytes, orphan: bool) -> None: ...
+    def orphaned(self, keys: Sequence[bytes], orphan: bool) -> None:
+        """Entries became orphans (in CPU memory, no boundary's state, needed by no
+        boundary), in their order, or stopped being ones."""
 
 
 class BoundaryGraph:
@@ -329,7 +331,7 @@ class BoundaryGraph:
         # Boundaries without a parent, linked as siblings, by their chain's first key (a
         # junction adopts from these; with a parent, from its children).
         self._roots = KeyTable()  # chain head -> first root
-        # Parents of boundaries an eviction forgot, refiled once at its end (`settle`):
+        # Parents of boundaries an eviction forgot, refiled once at its end (`left`):
         # a chain's turns evicted together would each refile their shared parent.
         self._unsettled: dict[int, None] = {}
         self._seq = 0
@@ -346,21 +348,20 @@ class BoundaryGraph:
     def entered(self, key: bytes) -> None:
         """An entry admitted on its own (an attention chunk, a promoted entry)."""
         if self.is_orphan(key):
-            self.watcher.orphaned(key, True)
+            self.watcher.orphaned([key], True)
 
-    def left(self, key: bytes, leaving: Collection[bytes] = ()) -> None:
-        """An entry left CPU memory (the ledger no longer has it): a boundary it is a
-        state of goes, and it is no orphan any more. `leaving`: entries of the same
-        eviction, each `left` in turn: none is filed as an orphan meanwhile (a boundary
-        evicted whole would file its states and chunks, to take them out again)."""
-        b = self.state_of.get(key)
-        if b is not None:
-            self.forget(b, leaving)
-        self.watcher.orphaned(key, False)
-
-    def settle(self) -> None:
-        """The entries of one eviction have all `left`: file the parents their boundaries
-        left behind (in whatever order: an order's content does not depend on it)."""
+    def left(self, keys: Sequence[bytes]) -> None:
+        """Entries left CPU memory together (the ledger no longer has them: an eviction,
+        or one): each boundary one of them is a state of goes, and none is an orphan any
+        more. None of them is filed as an orphan meanwhile (a boundary evicted whole
+        would file its states and chunks, to take them out again); last, the parents
+        their boundaries left behind are filed (in whatever order: an order's content
+        does not depend on it)."""
+        leaving = set(keys)
+        for b in dict.fromkeys(self.state_of.get_many(keys, None)):
+            if b is not None:
+                self.forget(b, leaving)
+        self.watcher.orphaned(keys, False)
         if self._unsettled:
             parents, self._unsettled = list(self._unsettled), {}
             self._refile(parents, [])
@@ -409,7 +410,7 @@ class BoundaryGraph:
         self.count += 1
         for key in states:
             self.state_of[key] = b
-            self.watcher.orphaned(key, False)
+        self.watcher.orphaned(states, False)
         changed = [b]
         if parent is not None:
             self.watcher.unfile(parent)
@@ -427,16 +428,14 @@ class BoundaryGraph:
         extends, and its keys count it."""
         need, state_of, segs = self.table.need, self.state_of, self.segments
         refs, up = segs.refs, segs.up
-        while seg != NO_NEEDS:
+        needed: list[bytes] = []  # orphans no more
+        while seg != NO_NEEDS and seg != NONE:
             refs[seg] += 1
             if refs[seg] > 1:
-                return
-            for key in segs.own(seg):
-                if need(key) and key not in state_of:
-                    self.watcher.orphaned(key, False)
+                break
+            needed += [key for key in segs.own(seg) if need(key) and key not in state_of]
             seg = up[seg]
-            if seg == NONE:
-                return
+        self.watcher.orphaned(needed, False)
 
     def _segment(self, needs: Sequence[bytes], parent: int | None) -> int:
         if not needs:
@@ -499,10 +498,11 @@ class BoundaryGraph:
         self.watcher.removed(b)
         self._unsettled.pop(b, None)
         self.count -= 1
+        orphans: list[bytes] = []  # in the order they become orphans
         for key in rows.state_keys(b):
             del self.state_of[key]
             if key not in leaving and self.is_orphan(key):
-                self.watcher.orphaned(key, True)
+                orphans.append(key)
         parent = rows.parent[b]
         if parent != NONE:
             self.watcher.unfile(parent)
@@ -529,8 +529,9 @@ class BoundaryGraph:
         for seg in reversed(dead):  # the chain's first first, as orphans are ordered
             for key in segs.own(seg):
                 if unneed(key) and key not in self.state_of and key not in leaving:
-                    self.watcher.orphaned(key, True)
+                    orphans.append(key)
             segs.free(seg)
+        self.watcher.orphaned(orphans, True)
 
     def _refile(self, changed: Sequence[int], scored: Sequence[int]) -> None:
         if scored:

@@ -24,7 +24,7 @@ in CPU memory with no segment needing it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from hybridkv.core.keytable import KeyTable
 
@@ -58,15 +58,20 @@ class EntryTable:
         slots[key] = self.away.pop(key, 0) << SHIFT | cls
         return True
 
-    def remove(self, key: bytes) -> int | None:
-        """Take `key` out of CPU memory; its bytes, or None if it was not there."""
-        value = self.slots.pop(key, None)
-        if value is None:
-            return None
-        if value >= ONE:
-            self.away[key] = value >> SHIFT
-        cls = value & MASK
-        return self.odd.pop(key) if cls == ODD else self.classes[cls]
+    def remove(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Take `keys` out of CPU memory (an eviction's, in one pass over the table);
+        the bytes of each, None for one that was not there."""
+        away, odd, classes = self.away, self.odd, self.classes
+        out: list[int | None] = []
+        for key, value in zip(keys, self.slots.pop_many(keys, None), strict=True):
+            if value is None:
+                out.append(None)
+                continue
+            if value >= ONE:
+                away[key] = value >> SHIFT
+            cls = value & MASK
+            out.append(odd.pop(key) if cls == ODD else classes[cls])
+        return out
 
     def size(self, key: bytes, value: int) -> int:
         cls = value & MASK

@@ -91,7 +91,7 @@ hits at 6-8 MiB against utility alone; switching by the share of returns gained 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -138,12 +138,9 @@ class EvictionPolicy(Protocol):
     def touch(self, keys: Sequence[bytes]) -> None:
         """A hit (or vLLM's own) read these keys."""
 
-    def left(self, key: bytes, leaving: Collection[bytes] = ()) -> None:
-        """An entry left CPU memory (the ledger has forgotten it); `leaving`: the
-        entries of the eviction it is one of, each told in turn, then `settle`."""
-
-    def settle(self) -> None:
-        """Every entry of an eviction has been told (`left`)."""
+    def left(self, keys: Sequence[bytes]) -> None:
+        """Entries left CPU memory together (an eviction, or one; the ledger has
+        forgotten them)."""
 
     def hold(self, keys: list[bytes], held: bool) -> None: ...
 
@@ -171,11 +168,8 @@ class LruPolicy:
     def touch(self, keys: Sequence[bytes]) -> None:
         self._order.use_all(keys)
 
-    def left(self, key: bytes, leaving: Collection[bytes] = ()) -> None:
-        self._order.discard(key)
-
-    def settle(self) -> None:
-        pass
+    def left(self, keys: Sequence[bytes]) -> None:
+        self._order.discard_all(keys)
 
     def hold(self, keys: list[bytes], held: bool) -> None:
         self._order.hold(keys, held)
@@ -261,11 +255,8 @@ class BoundaryPolicy:
         self.graph.touch(keys)
         self._orphans.use_all(keys)
 
-    def left(self, key: bytes, leaving: Collection[bytes] = ()) -> None:
-        self.graph.left(key, leaving)
-
-    def settle(self) -> None:
-        self.graph.settle()
+    def left(self, keys: Sequence[bytes]) -> None:
+        self.graph.left(keys)
 
     def hold(self, keys: list[bytes], held: bool) -> None:
         self._version += 1
@@ -351,12 +342,13 @@ class BoundaryPolicy:
         self._by_use.remove(b)
         self._efficiencies.remove(rows.efficiency_ranked[b], rows.seq[b])
 
-    def orphaned(self, key: bytes, orphan: bool) -> None:
-        if orphan:
+    def orphaned(self, keys: Sequence[bytes], orphan: bool) -> None:
+        if not orphan:
+            self._orphans.discard_all(keys)
+        elif keys:
             self._version += 1
-            self._orphans.add(key)
-        else:
-            self._orphans.discard(key)
+            for key in keys:
+                self._orphans.add(key)
 
     # ---- choosing -------------------------------------------------------------------------
     def victims(self, needed: int) -> Choice | None:

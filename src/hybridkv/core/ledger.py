@@ -15,7 +15,7 @@ them every step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from hybridkv.core.entry_table import EntryTable
@@ -108,14 +108,22 @@ class Ledger:
         if self.held(key):
             self.held_bytes += nbytes
 
-    def remove(self, key: bytes) -> None:
-        """Forget an entry (in CPU memory or being promoted there), its promotion too."""
-        size = self.table.remove(key)
-        if size is not None:
-            self.used -= size
-            if self.held(key):
-                self.held_bytes -= size
-        self.promoting.pop(key, None)
+    def remove(self, keys: Sequence[bytes]) -> None:
+        """Forget entries (in CPU memory or being promoted there), their promotions too:
+        an eviction's in a few bulk calls (it holds no held entry, so what is held among
+        them is asked of the pins at once, not key by key)."""
+        sizes = self.table.remove(keys)
+        self.used -= sum(n for n in sizes if n is not None)
+        promoting = self.promoting
+        held = set(self._pins.present(keys))
+        if promoting:
+            held.update(key for key in keys if key in promoting)
+            for key in keys:
+                promoting.pop(key, None)
+        if held:
+            self.held_bytes -= sum(
+                n for key, n in zip(keys, sizes, strict=True) if n is not None and key in held
+            )
 
     def clear(self) -> None:
         """Forget every entry; pins stay (their requests release them)."""

@@ -23,7 +23,7 @@ step touched miss the cache less than a dict's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from sortedcontainers import SortedList
 
@@ -69,13 +69,19 @@ class RecencyQueue(LinkedKeys):
             self.add(key)
 
     def discard(self, key: bytes) -> None:
-        slot = self._slots.pop(key, None)
-        if slot is not None:
-            self._remove(slot)
-            return
-        place = self._held.pop(key, None)
-        if place is not None:
-            self._ready.discard((place, key))
+        self.discard_all((key,))
+
+    def discard_all(self, keys: Sequence[bytes]) -> None:
+        """Take out each of `keys` that is here: an eviction's dozens, most of which (the
+        boundaries' states) never were, in one call on the table."""
+        held, remove = self._held, self._remove
+        for key, slot in zip(keys, self._slots.pop_many(keys, None), strict=True):
+            if slot is not None:
+                remove(slot)
+            elif held:
+                place = held.pop(key, None)
+                if place is not None:
+                    self._ready.discard((place, key))
 
     def hold(self, keys: list[bytes], held: bool) -> None:
         """The keys became held, or evictable again (set aside keys return to their place;
