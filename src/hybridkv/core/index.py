@@ -371,8 +371,9 @@ class StoreIndex:
 
     def _drop_cpu(self, keys: Sequence[bytes]) -> None:
         """Forget entries that leave CPU memory together (an eviction, or one), each
-        layer told once for all of them: an eviction drops dozens of keys, and key by
-        key it cost the scheduler thread a dozen Python calls each."""
+        layer told once for all of them: no layer needs telling apart when an eviction
+        ends (one call per layer was not measurably faster than one per key in
+        bench/lookup.py's stream: docs/benchmarks.md)."""
         if self.listener is not None:
             for key in keys:
                 if self.in_cpu(key):

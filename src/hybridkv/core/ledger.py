@@ -110,8 +110,8 @@ class Ledger:
 
     def remove(self, keys: Sequence[bytes]) -> None:
         """Forget entries (in CPU memory or being promoted there), their promotions too:
-        an eviction's in a few bulk calls (it holds no held entry, so what is held among
-        them is asked of the pins at once, not key by key)."""
+        an eviction's in a few bulk calls (an eviction takes no held entry, so what is
+        held among them is asked of the pins at once, not key by key)."""
         sizes = self.table.remove(keys)
         self.used -= sum(n for n in sizes if n is not None)
         promoting = self.promoting
