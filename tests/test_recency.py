@@ -1,5 +1,5 @@
 """core/recency.py against a plain list in recency order: adds, uses (one or many),
-discards, holds and choices that stop part way, on random histories. A held key is
+discards (one or many), holds and choices that stop part way, on random histories. A held key is
 never a candidate, and the candidates are the unheld keys, least recently used first.
 And core/linked_keys.py's `LruMap` (the tiers' maps) against an `OrderedDict`."""
 
@@ -22,7 +22,10 @@ from hybridkv.core.recency import RecencyQueue
     ops=st.lists(
         st.tuples(
             st.sampled_from(
-                ["add", "add", "use", "use_all", "discard", "hold", "release", "choose"]
+                [
+                    *("add", "add", "use", "use_all", "discard", "discard_all"),
+                    *("hold", "release", "choose"),
+                ]
             ),
             st.integers(0, 15),  # a key, or how many candidates a choice takes
         ),
@@ -51,6 +54,10 @@ def test_recency_queue_equals_a_list(ops):
             if key in order:
                 order.remove(key)
             queue.discard(key)
+        elif op == "discard_all":  # keys n, n + 1, n + 2 and n again (here, held or not)
+            keys = [bytes([n + i]) for i in (0, 1, 2, 0)]
+            order = [k for k in order if k not in keys]
+            queue.discard_all(keys)
         elif op in ("hold", "release"):
             (held.add if op == "hold" else held.discard)(key)
             queue.hold([key], op == "hold")
@@ -61,9 +68,8 @@ def test_recency_queue_equals_a_list(ops):
                     break
                 taken.append(cand)
             assert taken == [k for k in order if k not in held][:n]
-            for cand in taken:
-                order.remove(cand)
-                queue.discard(cand)
+            order = [k for k in order if k not in taken]
+            queue.discard_all(taken)  # one eviction
         assert len(queue) == len(order)
         assert all(k in queue for k in order) and bytes([99]) not in queue
     assert list(queue.candidates(held.__contains__)) == [k for k in order if k not in held]
