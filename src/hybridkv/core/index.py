@@ -93,9 +93,12 @@ class WorkerReport:
     disk: list[tuple[bytes, bool]] = field(default_factory=list)  # key entered/left the disk
     lost: list[bytes] = field(default_factory=list)  # CPU entries it does not hold after all
     listed: bool = False  # `disk` lists every entry on its disk (its first report)
+    # Its tiers that are down now (a dead Redis), when that changed since its last
+    # report; None: unchanged.
+    down: list[str] | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.promoted or self.disk or self.lost or self.listed)
+        return bool(self.promoted or self.disk or self.lost or self.listed or self.down is not None)
 
     def merge(self, later: WorkerReport) -> WorkerReport:
         return WorkerReport(
@@ -104,6 +107,7 @@ class WorkerReport:
             self.disk + later.disk,
             self.lost + later.lost,
             self.listed or later.listed,
+            self.down if later.down is None else later.down,
         )
 
 

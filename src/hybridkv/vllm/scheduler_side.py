@@ -167,6 +167,10 @@ class SchedulerSide:
         self.enabled = enabled
         self.below = below
         self.tiers = list(tiers)
+        # Tiers a worker reported down (by rank), and all of them: no hit is planned from
+        # one until every worker has it back (`worker_reports`).
+        self._down: dict[int, set[str]] = {}
+        self._tiers_down: set[str] = set()
         self.probe = probe
         self.split_guard = split_guard
         self.events = events
@@ -280,7 +284,12 @@ class SchedulerSide:
         )
         excluded: set[bytes] = set()
 
-        if self.probe is not None and not overdue and self._probe(keys, local_tokens, L):
+        if (
+            self.probe is not None
+            and not overdue
+            and self.probe.name not in self._tiers_down
+            and self._probe(keys, local_tokens, L)
+        ):
             if st.waiting_since is None:
                 st.waiting_since = time.monotonic()
             self.stats.waits += 1
@@ -375,7 +384,8 @@ class SchedulerSide:
         hits each tier could serve (with what CPU memory holds), the one with the most
         tokens times the tier's load weight; on a tie, the faster tier."""
         best, best_tier, best_score = 0, None, 0.0
-        for tier, weight in self.tiers or [(None, 1.0)]:
+        tiers = [(t, w) for t, w in self.tiers if t not in self._tiers_down]
+        for tier, weight in tiers or [(None, 1.0)]:
             boundary = self._hit_in(keys, num_prompt_tokens, local_tokens, tier, excluded)
             if boundary * weight > best_score:
                 best, best_tier, best_score = boundary, tier, boundary * weight
@@ -923,10 +933,26 @@ class SchedulerSide:
     def worker_reports(self, reports: dict[int, WorkerReport]) -> None:
         for rank, report in reports.items():
             self.index.apply(rank, report)
+            if report.down is not None:
+                self._tier_health(rank, report.down)
             if self.probe is not None:
                 for _, key, ok in report.promoted:
                     if not ok:
                         self.probe.failed(key)
+
+    def _tier_health(self, rank: int, down: list[str]) -> None:
+        """A worker's tiers that are down now. Why: a tier down in a worker answers every
+        read with a miss at once (tiers/redis.py), while this process's probe may still
+        reach the server; without this, each lookup in the outage would plan promotions
+        from it that all fail, and wait for them (a soak with Redis starved of CPU
+        failed 29 % of its promotions so: docs/benchmarks.md)."""
+        before = self._tiers_down
+        self._down[rank] = set(down)
+        self._tiers_down = set().union(*self._down.values())
+        for tier in sorted(self._tiers_down - before):
+            log.warning("hybridkv: tier %s is down on a worker; no hit is planned from it", tier)
+        for tier in sorted(before - self._tiers_down):
+            log.info("hybridkv: tier %s is back on every worker", tier)
 
     def stores_landed(self, landed: dict[int, int]) -> None:
         """Each rank's newest step whose stores have all landed."""

@@ -164,6 +164,8 @@ class WorkerSide:
         self._lock = threading.RLock()
         # The first report lists the whole disk tier (what earlier processes stored).
         self._report = WorkerReport(listed=store.disk is not None)
+        # The tiers down at the last report: the scheduler side plans no hit from them.
+        self._reported_down: list[str] = []
         self._promoter = ThreadPoolExecutor(
             1, thread_name_prefix="hybridkv-promote", initializer=lower_priority
         )
@@ -623,11 +625,14 @@ class WorkerSide:
         if self._idle and self._promotions:
             wait(self._promotions, timeout=IDLE_WAIT_SECONDS)
         disk = self.store.disk
+        down = [tier.name for tier in self.store.tiers if not tier.up]
         with self._lock:
             report, self._report = self._report, WorkerReport()
             report.epoch = self.epoch
             if disk is not None:
                 report.disk.extend(disk.take_changes())
+        if down != self._reported_down:
+            report.down = self._reported_down = down
         if disk is not None:
             disk.rescan_if_stale()
         return report
