@@ -21,7 +21,9 @@ bench/results/soak.json, the server log beside it.
                                       # every tier, CPU memory small enough to evict all along
 
 `--redis` starts a redis-server of its own on loopback (tests/redis_servers.py) as the
-shared tier. The summary adds the scheduler side's eviction, promotion and error counters.
+shared tier, bounded by `--redis-bytes` and evicting least recently used keys, as a
+production server is (without a bound it grew to 7 GB in 20 minutes: docs/benchmarks.md).
+The summary adds the scheduler side's eviction, promotion and error counters.
 """
 
 from __future__ import annotations
@@ -408,6 +410,11 @@ def main() -> None:
     p.add_argument("--disk-bytes", default="2GiB")
     p.add_argument("--redis", action="store_true", help="a redis-server of its own as shared tier")
     p.add_argument(
+        "--redis-bytes",
+        default="1gb",
+        help="its maxmemory (evicting allkeys-lru, as README asks of a shared tier)",
+    )
+    p.add_argument(
         "--no-connector", action="store_true", help="the same server without hybridkv (baseline)"
     )
     p.add_argument("--json", type=Path, default=RESULTS / "soak.json")
@@ -415,7 +422,10 @@ def main() -> None:
     args = p.parse_args()
 
     with contextlib.ExitStack() as stack:
-        redis_url = stack.enter_context(redis_server()).url if args.redis else None
+        redis_url = None
+        if args.redis:
+            bound = ("--maxmemory", args.redis_bytes, "--maxmemory-policy", "allkeys-lru")
+            redis_url = stack.enter_context(redis_server(*bound)).url
         srv = start(args, redis_url)
         soak = Soak(srv, Workload(args.seed, args.docs, args.doc_tokens), args)
         try:

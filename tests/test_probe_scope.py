@@ -7,8 +7,10 @@ lengths drawn from the suite's seed."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
+from collections.abc import Iterator
 
 import torch
 from conftest import SEED
@@ -36,8 +38,8 @@ def request(req_id: str, prompt: list[int]):
 
 
 def lookup(side: SchedulerSide, probe: Probe, req) -> int:
-    """Ask until answered; between tries, the step's round trip goes out and the workers
-    report the promotions it ordered, all read (as build_meta and the workers' reports)."""
+    """Ask until answered; between tries, the step's round trip goes out and every rank
+    reports the promotions it ordered, all read (as build_meta and the workers' reports)."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         hit = side.num_new_matched_tokens(req, 0)
@@ -47,46 +49,60 @@ def lookup(side: SchedulerSide, probe: Probe, req) -> int:
         index = side.index
         orders, epoch = index.take_orders(), index.epoch
         promoted = [(epoch, key, True) for key, _ in orders.promote]
-        side.worker_reports({0: WorkerReport(epoch, promoted=promoted)})
+        side.worker_reports({r: WorkerReport(epoch, promoted=promoted) for r in range(index.ranks)})
         time.sleep(0.002)
     raise AssertionError("the lookup never got its answer")
 
 
-def test_a_next_turn_asks_only_past_its_cpu_hit_and_still_finds_a_longer_boundary():
-    require_redis()
-    with redis_server() as server:
-        tier = RedisTier(server.url, bytes(16), timeout_ms=300, backoff_s=0.05)
-        try:
-            _next_turn(tier)
-        finally:
-            tier.close()
-
-
-def _next_turn(tier: RedisTier) -> None:
-    rng = random.Random(SEED)
-    print(f"seed {SEED}")
+def shared_side(tier: RedisTier, name: str, ranks: int = 1) -> tuple[SchedulerSide, list[bytes]]:
+    """A scheduler side over a layout of one full-attention group and three recurrent
+    ones, with `tier` as its shared tier and the real `Probe` asking it; and the list of
+    the keys the probe was asked about."""
     full = GroupSpec(GroupKind.FULL, BLOCK, ATTN, ("attn",))
     states = [GroupSpec(GroupKind.STATE, BLOCK, STATE, (f"gdn.{g}",)) for g in STATES]
-    layout = Layout("test/probe-scope", (full, *states))
+    layout = Layout(name, (full, *states))
     planner = Planner(layout.groups)
-    policy = CheckpointPolicy("prompt_and_end", planner.chunk_tokens)
     asked: list[bytes] = []
 
     def contains_many(keys):
         asked.extend(keys)
         return tier.contains_many(keys)
 
-    probe = Probe("redis", contains_many, ttl_s=60)
     side = SchedulerSide(
         layout,
         planner,
-        policy,
-        StoreIndex(1 << 30, recurrent=True),
+        CheckpointPolicy("prompt_and_end", planner.chunk_tokens),
+        StoreIndex(1 << 30, recurrent=True, ranks=ranks),
         True,
         True,
         tiers=[("redis", 1.0)],
-        probe=probe,
+        probe=Probe("redis", contains_many, ttl_s=60),
     )
+    return side, asked
+
+
+@contextlib.contextmanager
+def shared_tier() -> Iterator[RedisTier]:
+    """A Redis tier on a redis-server of its own, closed on exit."""
+    require_redis()
+    with redis_server() as server:
+        tier = RedisTier(server.url, bytes(16), timeout_ms=300, backoff_s=0.05)
+        try:
+            yield tier
+        finally:
+            tier.close()
+
+
+def test_a_next_turn_asks_only_past_its_cpu_hit_and_still_finds_a_longer_boundary():
+    with shared_tier() as tier:
+        _next_turn(tier)
+
+
+def _next_turn(tier: RedisTier) -> None:
+    rng = random.Random(SEED)
+    print(f"seed {SEED}")
+    side, asked = shared_side(tier, "test/probe-scope")
+    planner, probe, groups = side.planner, side.probe, len(side.layout.groups)
     first_chunks, turn_chunks = rng.randint(4, 9), rng.randint(3, 6)
     turn2_chunks = rng.randint(2, 5)
     history = [rng.randrange(1, 5000) for _ in range(first_chunks * BLOCK + 1)]
@@ -116,6 +132,6 @@ def _next_turn(tier: RedisTier) -> None:
     later_keys = side._keys(side._state(req), len(later))
     cap = planner.max_hit_chunks(len(later))
     # Asked: every group of each chunk past the CPU hit; nothing below it.
-    assert sorted(asked) == sorted(group_keys(later_keys[ckpt:cap], len(layout.groups)))
-    assert not set(asked) & set(group_keys(later_keys[:ckpt], len(layout.groups)))
+    assert sorted(asked) == sorted(group_keys(later_keys[ckpt:cap], groups))
+    assert not set(asked) & set(group_keys(later_keys[:ckpt], groups))
     probe.close()
