@@ -109,9 +109,9 @@ class Ledger:
             self.held_bytes += nbytes
 
     def remove(self, keys: Sequence[bytes]) -> None:
-        """Forget entries (in CPU memory or being promoted there), their promotions too:
-        an eviction's in a few bulk calls (an eviction takes no held entry, so what is
-        held among them is asked of the pins at once, not key by key)."""
+        """Forget entries (in CPU memory or being promoted there), their promotions too,
+        in a few bulk calls. What is held among them (none in an eviction; a lost entry
+        or a failed promotion may be) is asked of the pins in one call."""
         sizes = self.table.remove(keys)
         self.used -= sum(n for n in sizes if n is not None)
         promoting = self.promoting
