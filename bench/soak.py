@@ -63,6 +63,8 @@ class Interval:
     cached_tokens: int = 0
     repeats_compared: int = 0
     repeat_mismatches: int = 0
+    cold_repeats_compared: int = 0  # of them, both served with nothing cached
+    cold_repeat_mismatches: int = 0
     latencies_s: list[float] = field(default_factory=list)
     error_samples: list[str] = field(default_factory=list)
     mismatch_samples: list[dict[str, int]] = field(default_factory=list)
@@ -162,13 +164,17 @@ class Soak:
         so does a next turn restored from a state hybridkv kept at a decode-time
         boundary; and Gemma-3's CPU kernels vary with the batch (without hybridkv, 7 of
         46 cold repeats differed in a 1-minute run; Qwen3-Next: 0 of 82). Compare with a
-        `--no-connector` run."""
+        `--no-connector` run; repeats served cold both times (`cold_...`) differ by the
+        batch alone."""
         before = self.wl.served.get(tuple(prompt))
         if before is None or (self.args.arch == "gemma3" and before.cached != c.cached_tokens):
             return
+        cold = before.cached == c.cached_tokens == 0
         self.current.repeats_compared += 1
+        self.current.cold_repeats_compared += cold
         if before.output != c.token_ids:
             self.current.repeat_mismatches += 1
+            self.current.cold_repeat_mismatches += cold
             at = first_difference(before.output, c.token_ids)
             if len(self.current.mismatch_samples) < 5:
                 self.current.mismatch_samples.append(
@@ -339,8 +345,9 @@ def _num(v: float | None, width: int, digits: int) -> str:
 def totals(intervals: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ("ok", "errors", "aborted", "prompt_tokens", "cached_tokens")
     out: dict[str, Any] = {k: sum(r[k] for r in intervals) for k in keys}
-    out["repeats_compared"] = sum(r["repeats_compared"] for r in intervals)
-    out["repeat_mismatches"] = sum(r["repeat_mismatches"] for r in intervals)
+    repeats = ("repeats_compared", "repeat_mismatches")
+    for k in (*repeats, *(f"cold_{k}" for k in repeats)):
+        out[k] = sum(r[k] for r in intervals)
     sampled = [r for r in intervals if r["rss_mib"]]  # the server was up
     if sampled:
         rss = [r["rss_mib"] for r in sampled]
@@ -476,6 +483,10 @@ def print_summary(result: dict[str, Any]) -> None:
             for name, (a, b) in t.get("rss_mib_by_process", {}).items()
         ),
         ("repeats compared / mismatched", f"{t['repeats_compared']} / {t['repeat_mismatches']}"),
+        (
+            "  of them cold (nothing cached)",
+            f"{t['cold_repeats_compared']} / {t['cold_repeat_mismatches']}",
+        ),
         ("server exit code / died", f"{s['exit_code']} / {s['died']}"),
         ("error lines in server log", str(s["log_problem_lines"])),
         ("hybridkv stats records seen", str(s["hybridkv_stats_records"])),

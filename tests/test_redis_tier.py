@@ -22,6 +22,7 @@ import torch
 from redis_servers import RedisServer, redis_cluster, redis_server, require_redis
 
 from hybridkv.core.keys import KEY_BYTES, group_key
+from hybridkv.core.tiers.backoff import RESET_AFTER
 from hybridkv.core.tiers.entry_file import HEADER_BYTES, MAC_BYTES, new_entry
 from hybridkv.core.tiers.redis import RedisTier
 
@@ -289,6 +290,36 @@ def test_a_stopped_server_times_out_and_comes_back(make_tier, server, clear_whil
     assert eventually(lambda: tier.up, 5)
     assert same(tier.get(key(1)), payload(1, 1000))
     assert tier.stats().entries == (0 if clear_while_down else 1)
+
+
+def test_a_stall_after_long_service_costs_the_first_delay_again(make_tier, server, caplog):
+    """A server that stalls now and then (stopped past the timeout) is down for the first
+    delay again once it has served four times its last delay, not for a delay grown by
+    every stall since start; a stall right after coming back still doubles it."""
+    caplog.set_level(logging.INFO, logger="hybridkv.core.tiers.redis")
+    tier = make_tier(timeout_ms=200, backoff_s=0.1, backoff_max_s=600)
+    assert server.proc is not None and tier.up
+
+    def stall() -> float:
+        """Stop the server until a call meets the stall; the delay the tier logged."""
+        caplog.clear()
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            assert tier.get(key(1)) is None and not tier.up
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert eventually(lambda: tier.up, 10)
+        delays = [r.args[-1] for r in caplog.records if "retrying in" in r.msg]
+        assert len(delays) == 1
+        return delays[0]
+
+    assert stall() == 0.1
+    again = stall()  # at once: a sick server, the delay grows
+    assert again >= 0.2
+    # Serve long enough even if up to two probes failed before the server was continued
+    # (each doubles the last delay): four times four times the logged delay.
+    time.sleep(RESET_AFTER * 4 * again + 0.1)
+    assert stall() == 0.1
 
 
 def test_unreachable_at_start_then_up(make_tier):

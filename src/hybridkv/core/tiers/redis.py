@@ -42,7 +42,8 @@ unknown), shared with whatever else the server holds.
 Faults: a server unreachable (at start or later), restarted, slower than `timeout_ms`, or
 refusing writes (OOM) marks the tier down. While down every call answers a miss or False
 at once, without the network, and stores are dropped (counted); a background probe PINGs
-with exponential backoff (`backoff_s` doubling to `backoff_max_s`) and brings it back up.
+with exponential backoff (`backoff_s` doubling to `backoff_max_s`, starting over once the
+tier has stayed up four times its last delay: tiers/backoff.py) and brings it back up.
 No method raises (tiers/queued.py): faults are logged (once per kind) and counted in
 TierStats (`errors`; `write_errors` for puts a failed write lost). A value that is not a
 usable entry is a counted miss (`corrupt`), deleted only when no reader of any key or
@@ -77,6 +78,7 @@ from redis.retry import Retry
 
 from hybridkv.core.background import lower_priority
 from hybridkv.core.linked_keys import LruMap
+from hybridkv.core.tiers.backoff import Backoff
 from hybridkv.core.tiers.base import TierStats
 from hybridkv.core.tiers.entry_file import (
     HEADER_BYTES,
@@ -169,8 +171,7 @@ class RedisTier(QueuedTier):
         self.max_entry_bytes = max_entry_bytes
         self.timeout_s = timeout_ms / 1000
         self._namespace = f"{key_prefix}:{fingerprint.hex()}:"
-        self._backoff_first = self._backoff = backoff_s
-        self._backoff_max = backoff_max_s
+        self._backoff = Backoff(backoff_s, backoff_max_s)
         self._client: redis.Redis | RedisCluster | None = None
         self._wake = threading.Condition(self._lock)  # the probe waits on it
         self._stored = LruMap()
@@ -604,9 +605,9 @@ class RedisTier(QueuedTier):
             self._connect()
 
     def _down(self, what: str, err: Exception, probe: bool = False) -> None:
-        """Mark the tier down and schedule the next probe: the backoff doubles with every
-        failed probe or fall, and starts over once the tier has stayed up for
-        `backoff_max_s`. A call's fault is counted; a probe's is not (no call met it)."""
+        """Mark the tier down and schedule the next probe (tiers/backoff.py: the delay
+        doubles with every failed probe or early fall, and starts over once the tier has
+        served long enough). A call's fault is counted; a probe's is not (no call met it)."""
         with self._lock:
             now = time.monotonic()
             was_up, at_start = self._up, self._next_probe == 0.0
@@ -614,11 +615,9 @@ class RedisTier(QueuedTier):
                 self._stats.errors += 1
                 if not was_up:
                     return  # a call under way when the tier went down: already scheduled
-            if was_up and now - self._up_since > self._backoff_max:
-                self._backoff = self._backoff_first
+            delay = self._backoff.delay(now - self._up_since if was_up else None)
             self._up = False
-            self._next_probe = now + self._backoff
-            delay, self._backoff = self._backoff, min(2 * self._backoff, self._backoff_max)
+            self._next_probe = now + delay
             self._wake.notify_all()
         if was_up or at_start:
             self._log_change(
