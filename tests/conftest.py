@@ -14,6 +14,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
+# The suite's rule for a wrong output, kept with the server harness for bench/soak.py too
+# (imported once the environment above is set: it imports hybridkv.server).
+from serving import LOGPROB_NOISE, real_difference  # noqa: E402, F401
+
 # Inputs a test draws (prompt lengths, workloads) come from generators seeded from this,
 # never from values picked because they pass; every run prints it in its header, and
 # HYBRIDKV_TEST_SEED draws other inputs.
@@ -35,30 +39,6 @@ def model_dirs(tmp_path_factory):
 def tokens(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1, 2000) for _ in range(n)]
-
-
-# How far a chosen token's logprob may move when the same request runs in another batch
-# (another step's company, a prefix hit one step later): CPU kernels round with the batch
-# shape. Measured on an Intel Xeon with AVX-512 (bf16, fp16): 0.004 at most on these
-# models; the tiny models' distributions are nearly flat (top logprobs about -6.7 over a
-# 2048-token vocabulary), so such a nudge can swap near-tied tokens. A wrong restore
-# (a state or chunk missing, garbled, from another prompt) moves them by far more.
-LOGPROB_NOISE = 0.02
-
-
-def real_difference(a, b, tol: float = LOGPROB_NOISE) -> int | None:
-    """Where two greedy generations of one prompt differ by more than batch rounding:
-    the first token whose chosen logprobs differ by more than `tol`, or None. Tokens may
-    differ where the logprobs agree (a near tie swapped); from there on the two continue
-    from different text, so the comparison stops."""
-    for i, (ta, tb, la, lb) in enumerate(
-        zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=False)
-    ):
-        if abs(la - lb) > tol:
-            return i
-        if ta != tb:
-            return None
-    return None
 
 
 @pytest.fixture

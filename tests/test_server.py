@@ -172,7 +172,7 @@ def divergences(
     arch: str, reference: list[Completion], got: list[Completion]
 ) -> tuple[int, dict[int, int]]:
     """(requests compared, {request: first token whose chosen logprob differs by more
-    than the CPU kernels' rounding, `conftest.real_difference`}) (module docstring)."""
+    than the CPU kernels' rounding, `serving.real_difference`}) (module docstring)."""
     compared, differ = 0, {}
     for i, (a, b) in enumerate(zip(reference, got, strict=True)):
         for c in (a, b):  # without logprobs nothing would ever differ
