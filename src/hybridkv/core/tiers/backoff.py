@@ -31,6 +31,11 @@ class Backoff:
     def __post_init__(self) -> None:
         self._next_s = self.first_s
 
+    @property
+    def last_s(self) -> float:
+        """The delay given last (0 before the first fall)."""
+        return self._last_s
+
     def delay(self, up_for: float | None) -> float:
         """The wait before the next probe after a fall: `up_for` seconds after coming up,
         or None for a failed probe (or a tier never up)."""
