@@ -10,9 +10,10 @@ by tests/serving.py). Closed-loop clients, seeded, pick among:
   turn       a conversation's next turn: previous prompt + its output + new text
   abort      a request abandoned mid-flight (a stream closed or a task cancelled)
 and every so often a burst of many requests at once. Each interval records requests,
-errors, aborts, latency, the server's RSS (all its processes), vLLM's preemptions and
-hybridkv's `hybridkv stats` log line (held entries, hit rate); JSON goes to
-bench/results/soak.json, the server log beside it.
+errors, aborts, latency, the server's RSS (all its processes), vLLM's preemptions,
+repeats whose output differs from their first (`Soak.check_repeat`) and hybridkv's
+`hybridkv stats` log line (held entries, hit rate); JSON goes to bench/results/soak.json,
+the server log beside it.
 
     .venv/bin/python bench/soak.py                      # 10 minutes, qwen3-next tiny
     .venv/bin/python bench/soak.py --minutes 1 --interval 10
