@@ -24,7 +24,8 @@ the server log beside it.
 `--redis` starts a redis-server of its own on loopback (tests/redis_servers.py) as the
 shared tier, bounded by `--redis-bytes` and evicting least recently used keys, as a
 production server is (without a bound it grew to 7 GB in 20 minutes: docs/benchmarks.md).
-The summary adds the scheduler side's eviction, promotion and error counters.
+The summary adds the scheduler side's eviction, promotion and error counters, and with
+`--redis` how often and how long the workers' Redis tiers were down (`redis_downtime`).
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ import contextlib
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -458,12 +461,39 @@ def main() -> None:
             "log_problems": problems[:40],
             "hybridkv_stats_records": soak.stats_seen,
             "held_entries_once_idle": soak.idle_held,
+            "redis_down": redis_downtime(srv.log_lines()) if args.redis else None,
         },
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print_summary(result)
     print(f"wrote {args.json}; server log {args.log}")
+
+
+_TIER_CHANGE = re.compile(
+    r"^\((?P<proc>Worker[^)]*)\) \S+ (?P<at>\d\d-\d\d \d\d:\d\d:\d\d) .*"
+    r"hybridkv: Redis tier at \S+ (?P<what>down:|up again)"
+)
+
+
+def redis_downtime(lines: list[str]) -> dict[str, float]:
+    """How often the workers' Redis tiers went down and for how long in all (seconds, at
+    the log's 1 s resolution; a tier still down at the end counts to its last line):
+    read from the server log, where the tier logs each change."""
+    down_since: dict[str, datetime] = {}
+    falls, down_s, last = 0, 0.0, None
+    for line in lines:
+        m = _TIER_CHANGE.match(line)
+        if m is None:
+            continue
+        at = last = datetime.strptime(m["at"], "%m-%d %H:%M:%S")
+        if m["what"] == "down:":
+            falls += 1
+            down_since.setdefault(m["proc"], at)
+        elif m["proc"] in down_since:
+            down_s += (at - down_since.pop(m["proc"])).total_seconds()
+    down_s += sum((last - t).total_seconds() for t in down_since.values() if last)
+    return {"falls": falls, "down_s": down_s}
 
 
 def print_summary(result: dict[str, Any]) -> None:
@@ -496,6 +526,11 @@ def print_summary(result: dict[str, Any]) -> None:
         ("error lines in server log", str(s["log_problem_lines"])),
         ("hybridkv stats records seen", str(s["hybridkv_stats_records"])),
         ("held entries once idle (must be 0)", str(s.get("held_entries_once_idle", "-"))),
+        *(
+            [("Redis down on the workers: falls / s", f"{d['falls']} / {d['down_s']:.0f}")]
+            if (d := s.get("redis_down"))
+            else []
+        ),
         *((key.replace("_", " "), str(t.get(key, "-"))) for key in COUNTERS),
     ]
     width = max(len(k) for k, _ in rows)
