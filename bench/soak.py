@@ -477,23 +477,22 @@ _TIER_CHANGE = re.compile(
 
 
 def redis_downtime(lines: list[str]) -> dict[str, float]:
-    """How often the workers' Redis tiers went down and for how long in all (seconds, at
-    the log's 1 s resolution; a tier still down at the end counts to its last line):
+    """How often the workers' Redis tiers went down and for how long in all, up again
+    (seconds, at the log's 1 s resolution), and how many were down when the log ended:
     read from the server log, where the tier logs each change."""
     down_since: dict[str, datetime] = {}
-    falls, down_s, last = 0, 0.0, None
+    falls, down_s = 0, 0.0
     for line in lines:
         m = _TIER_CHANGE.match(line)
         if m is None:
             continue
-        at = last = datetime.strptime(m["at"], "%m-%d %H:%M:%S")
+        at = datetime.strptime(m["at"], "%m-%d %H:%M:%S")
         if m["what"] == "down:":
             falls += 1
             down_since.setdefault(m["proc"], at)
         elif m["proc"] in down_since:
             down_s += (at - down_since.pop(m["proc"])).total_seconds()
-    down_s += sum((last - t).total_seconds() for t in down_since.values() if last)
-    return {"falls": falls, "down_s": down_s}
+    return {"falls": falls, "down_s": down_s, "down_at_end": len(down_since)}
 
 
 def print_summary(result: dict[str, Any]) -> None:
@@ -527,7 +526,12 @@ def print_summary(result: dict[str, Any]) -> None:
         ("hybridkv stats records seen", str(s["hybridkv_stats_records"])),
         ("held entries once idle (must be 0)", str(s.get("held_entries_once_idle", "-"))),
         *(
-            [("Redis down on the workers: falls / s", f"{d['falls']} / {d['down_s']:.0f}")]
+            [
+                (
+                    "Redis down on the workers: falls / s / at end",
+                    f"{d['falls']} / {d['down_s']:.0f} / {d['down_at_end']}",
+                )
+            ]
             if (d := s.get("redis_down"))
             else []
         ),
