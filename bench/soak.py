@@ -167,8 +167,8 @@ class Soak:
         rounding is the suite's rule (`serving.real_difference`): a chosen token's
         logprob moved by more than the kernels' rounding before the outputs part
         (`real_differences`, over every compared repeat); a near tie swapped is not one.
-        Under the soak's load vLLM alone has some (Qwen3-Next: 8 of 667 repeats, mid-output,
-        without hybridkv): compare the rate with a `--no-connector` run."""
+        Under the soak's load vLLM alone has some (Qwen3-Next: 8 of 667 repeats,
+        mid-output, without hybridkv): compare the rate with a `--no-connector` run."""
         before = self.wl.served.get(tuple(prompt))
         if before is None or (
             self.args.arch == "gemma3" and before.cached_tokens != c.cached_tokens
@@ -446,7 +446,8 @@ def main() -> None:
             asyncio.run(soak.run())
         finally:
             code = srv.stop()
-    problems = serving.log_problems(srv.log_lines())
+    log_lines = srv.log_lines()
+    problems = serving.log_problems(log_lines)
     result = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -461,7 +462,7 @@ def main() -> None:
             "log_problems": problems[:40],
             "hybridkv_stats_records": soak.stats_seen,
             "held_entries_once_idle": soak.idle_held,
-            "redis_down": redis_downtime(srv.log_lines()) if args.redis else None,
+            "redis_down": redis_downtime(log_lines) if args.redis else None,
         },
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
