@@ -34,9 +34,15 @@ for scale, the requests built with those block hashes, as vLLM's engine core bui
 before its scheduler sees them (`vllm_request_hashes`, timed apart); and one full
 collection of the garbage collector at the end (`serving`). Memory: a second run of the
 same fill under tracemalloc; what code of hybridkv and of
-sortedcontainers allocated and still holds, per entry in CPU memory, and with the vLLM
-block hashes the chain memo keeps alive (vLLM allocated them), what is resident. Run it against
+sortedcontainers allocated and still holds, per entry in CPU memory (the chain memo
+keeps none of vLLM's block hashes alive since it keys them by a tag in a native table; a
+source older than that kept them, 4 bytes an entry, not counted here). Run it against
 another source with `PYTHONPATH=<its src>` (the "before" of docs/benchmarks.md).
+
+`--events`: the stream with vLLM's KV cache events on, as `--kv-events-config` turns them
+on for routers: every boundary stored is told to the events (vllm/kv_events.py), which
+keep each entry's payload (its blocks' hashes and tokens) while it can be announced, and
+the step's events are taken every step, as vLLM's scheduler takes them.
 
 `--step-tokens N`: the stream's prefills capped at N tokens a step, as vLLM's token budget
 spreads a long prompt's prefill, and so its stores, over several steps (by default each
@@ -68,7 +74,6 @@ import gc
 import json
 import random
 import statistics
-import sys
 import time
 import tracemalloc
 from array import array
@@ -118,6 +123,41 @@ def vllm_hasher(block: int) -> Callable:
     sha256 = get_hash_fn_by_name("sha256")
     init_none_hash(sha256)
     return get_request_block_hasher(block, sha256)
+
+
+def kv_events(side: SchedulerSide) -> object:
+    """vLLM's KV cache events on the scheduler side, as `--kv-events-config` turns them
+    on: for a KV cache config shaped like this layout (one attention group, three GDN
+    state groups, blocks of a chunk)."""
+    import torch
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    from hybridkv.vllm.kv_events import KVEvents
+
+    attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    gdn = MambaSpec(
+        block_size=BLOCK,
+        shapes=((3, 64), (4, 16, 16)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=attn.page_size_bytes,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode="align",
+    )
+    groups = [KVCacheGroupSpec(["attn.3"], attn)]
+    groups += [KVCacheGroupSpec([f"gdn.{i}"], gdn) for i in range(3)]
+    config = KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups, kv_cache_layout="NHD"
+    )
+    config.hash_block_size = BLOCK
+    events = KVEvents(side.layout, side.planner, config, side.index, disk=False)
+    side.events = side.index.listener = events
+    return events
 
 
 def vllm_request_hashes(prompt: list[int], block: int) -> object:
@@ -241,6 +281,7 @@ class Serving:
         seed: int = 27,
         step_tokens: int | None = None,
         memo_bytes: int | None = None,
+        events: bool = False,
     ):
         lay = layout()
         planner = Planner(lay.groups)
@@ -270,6 +311,9 @@ class Serving:
         )
         if memo_bytes is not None:  # the memo's bound, if not the engine's
             self.side._memo = ChainMemo(max_bytes=memo_bytes)
+        # vLLM's KV cache events (`--events`): told of every boundary stored, taken
+        # every step, as vLLM's scheduler takes them.
+        self.events = kv_events(self.side) if events else None
         self.recalled = self.keyed = 0  # chunks the memo recalled, of chunks keyed
         recall = self.side._memo.recall
 
@@ -398,6 +442,8 @@ class Serving:
         # The index's part of the step's metadata.
         orders = index.take_orders()
         self.probe.send()
+        if self.events is not None:
+            self.events.take()
         elapsed += clock() - t0
         # The shared tier answers within the step (a round trip to Redis is well under
         # an engine step), so the next step's lookups find the answers in, as they would.
@@ -424,7 +470,10 @@ class Serving:
             if end and (first < end <= last or end == first == last):  # (a hit to it)
                 plan += [EntryCopy(g, end - 1, (0,), (0,)) for g in STATE_GROUPS]
         copies = [KeyedCopy(group_key(keys[c.chunk], c.group), c) for c in plan]
-        return [kc.key for kc in side._admit(st, keys, copies)]
+        stored = [kc.key for kc in side._admit(st, keys, copies)]
+        if self.events is not None:  # as the scheduler side's own stores do (`_name`)
+            side._observe(st, keys, {(c.chunk + 1) * BLOCK for c in plan if c.group})
+        return stored
 
 
 def serving(
@@ -433,6 +482,7 @@ def serving(
     freeze: bool,
     step_tokens: int | None = None,
     memo_bytes: int | None = None,
+    events: bool = False,
 ) -> dict[str, float]:
     """Per-step seconds of the stream once CPU memory is full (the module docstring),
     and the longest step while it filled (where the index's tables grow); then a quarter
@@ -444,7 +494,7 @@ def serving(
     have grown by a quarter (CPython 3.11), on the scheduler's thread, whatever step it
     falls in."""
     # Built before the freeze, as vLLM builds its scheduler.
-    stream = Serving(entries, step_tokens=step_tokens, memo_bytes=memo_bytes)
+    stream = Serving(entries, step_tokens=step_tokens, memo_bytes=memo_bytes, events=events)
     gc.collect()
     gc.freeze()
     index = stream.side.index
@@ -516,10 +566,10 @@ def serving(
     return out
 
 
-def memory(entries: int, memo_bytes: int | None = None) -> dict[str, float]:
+def memory(entries: int, memo_bytes: int | None = None, events: bool = False) -> dict[str, float]:
     """Bytes that hybridkv's and sortedcontainers' code allocated and still holds once
-    the stream has filled CPU memory, per entry there (tracemalloc), and with what the
-    chain memo keeps of vLLM's, resident."""
+    the stream has filled CPU memory, per entry there (tracemalloc), and the chain
+    memo's own count of what it holds."""
     ours = (
         tracemalloc.Filter(True, "*/hybridkv/*"),
         tracemalloc.Filter(True, "*/sortedcontainers/*"),
@@ -527,7 +577,7 @@ def memory(entries: int, memo_bytes: int | None = None) -> dict[str, float]:
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.take_snapshot().filter_traces(ours)
-    stream = Serving(entries, memo_bytes=memo_bytes)
+    stream = Serving(entries, memo_bytes=memo_bytes, events=events)
     index = stream.side.index
     stream.fill()
     # What is left of requests, of the probe's answers and of the simulated shared tier
@@ -543,16 +593,11 @@ def memory(entries: int, memo_bytes: int | None = None) -> dict[str, float]:
         s.size for s in before.statistics("filename")
     )
     n = index.gauges()["cpu_entries"]
-    # The memo's fingerprints are vLLM's block hashes, which vLLM allocated (outside the
-    # filter) and the memo keeps alive: counted here, and its own count reported beside.
     memo = stream.side._memo
-    fingerprints = sum(map(sys.getsizeof, memo._chains))
     return {
         "cpu_entries": n,
         "bytes": held,
         "bytes per entry": held / n,
-        "vLLM's block hashes the chain memo keeps: bytes per entry": fingerprints / n,
-        "resident: bytes per entry": (held + fingerprints) / n,
         "chain memo, its own count: bytes per entry": memo.nbytes / n,
     }
 
@@ -804,6 +849,11 @@ def main() -> None:
     p.add_argument("--serve-steps", type=int, default=20000)
     p.add_argument("--freeze", action="store_true", help="gc.freeze() once CPU memory is full")
     p.add_argument(
+        "--events",
+        action="store_true",
+        help="the serving stream with vLLM's KV cache events on (`--kv-events-config`)",
+    )
+    p.add_argument(
         "--step-tokens",
         type=int,
         default=None,
@@ -934,11 +984,15 @@ def main() -> None:
 def serve(args: argparse.Namespace) -> None:
     results: dict[str, dict[str, float]] = {}
     budget = f", prefills of {args.step_tokens} tokens a step" if args.step_tokens else ""
+    budget += ", with vLLM's KV cache events" if args.events else ""
     print(f"serving stream, {args.serve_steps} steps timed once CPU memory is full{budget}")
     for entries in args.serve_entries:
-        fig = serving(entries, args.serve_steps, args.freeze, args.step_tokens, args.memo_bytes)
+        fig = serving(
+            entries, args.serve_steps, args.freeze, args.step_tokens, args.memo_bytes, args.events
+        )
         if not args.no_memory:
-            fig.update({f"memory: {k}": v for k, v in memory(entries, args.memo_bytes).items()})
+            held = memory(entries, args.memo_bytes, args.events)
+            fig.update({f"memory: {k}": v for k, v in held.items()})
         results[str(entries)] = fig
         print(f"{entries:>9} entries")
         for name, value in fig.items():
@@ -953,6 +1007,7 @@ def serve(args: argparse.Namespace) -> None:
                 "freeze": args.freeze,
                 "step_tokens": args.step_tokens,
                 "memo_bytes": args.memo_bytes,
+                "events": args.events,
                 "entries": results,
             },
             indent=2,

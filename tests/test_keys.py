@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import random
@@ -18,6 +19,8 @@ from hypothesis import strategies as st
 from hybridkv.core.keys import (
     FINGERPRINT_COST,
     KEY_BYTES,
+    TAG_BYTES,
+    TAIL_BYTES,
     ChainMemo,
     chain_seed,
     chunk_keys,
@@ -284,10 +287,10 @@ def test_chunk_extras_must_cover_every_new_chunk():
 
 
 def _prefix_fingerprints(tokens: list[int], chunk: int) -> list[bytes]:
-    """A fingerprint per chunk boundary that names the whole prefix (as vLLM's block
-    hashes do): here the prefix itself."""
+    """A fingerprint per chunk boundary that names the whole prefix, a sha256 digest as
+    vLLM's block hashes are."""
     return [
-        struct.pack(f"<{(c + 1) * chunk}I", *tokens[: (c + 1) * chunk])
+        hashlib.sha256(struct.pack(f"<{(c + 1) * chunk}I", *tokens[: (c + 1) * chunk])).digest()
         for c in range(len(tokens) // chunk)
     ]
 
@@ -323,8 +326,8 @@ def test_chain_memo_recalls_only_exact_prefixes(seed, other_seed, chunk, stride,
         assert chain == want
         memo.remember(s, fps, chain, len(got))
         # Counted exactly (each joined chain once), and within the bound.
-        held = {id(v): len(v) for v in memo._chains.values()}
-        assert memo.nbytes == sum(held.values()) + FINGERPRINT_COST * len(memo) <= max_bytes
+        held = sum(map(len, memo.chains()))
+        assert memo.nbytes == held + FINGERPRINT_COST * len(memo) <= max_bytes
         if want and FINGERPRINT_COST + KEY_BYTES * (len(want) + 1) <= max_bytes:
             assert memo.recall(s, fps + [b"unknown"]) == want  # remembered last: whole
         for x in (seed, other_seed):  # under either seed: that seed's keys, or none
@@ -351,8 +354,8 @@ def test_chain_memo_holds_one_chain_per_conversation(stride):
         recalled = len(chain)
         extend_chain(chain, seed, tokens, chunk)
         memo.remember(seed, fps, chain, recalled)
-        held = {id(v): len(v) for v in memo._chains.values()}
-        assert list(held.values()) == ([KEY_BYTES * (len(chain) + 1)] if chain else [])
+        held = [len(v) for v in memo.chains()]
+        assert held == ([KEY_BYTES * (len(chain) + 1)] if chain else [])
         assert len(memo) == (len(chain) - 1) // stride + 1 if chain else not memo
         assert memo.recall(seed, fps) == chunk_keys(seed, tokens, chunk)
 
@@ -374,4 +377,26 @@ def test_chain_memo_fork_rehashes_less_than_a_stride():
     assert memo.recall(seed[:8], _prefix_fingerprints(first, chunk)) == []
     # Values the garbage collector never walks (a tuple stays tracked until a collection
     # examines it): the class docstring.
-    assert not any(gc.is_tracked(v) for v in memo._chains.values())
+    assert not any(gc.is_tracked(v) for v in memo.chains())
+
+
+def test_chain_memo_matches_a_fingerprint_whole_not_by_its_tag():
+    """Two fingerprints that share the tag the memo finds them by (their first
+    TAG_BYTES) are told apart by the rest: the later replaces the earlier, which is then
+    a miss, never the other's chain. One too long to keep is never remembered."""
+    seed, chunk = bytes(KEY_BYTES), 4
+    a, b = list(range(1, 9)), list(range(101, 109))
+    memo = ChainMemo()
+    fa = [bytes(TAG_BYTES) + b"a" * 16] * 2
+    fb = [bytes(TAG_BYTES) + b"b" * 16] * 2
+    memo.remember(seed, fa, chunk_keys(seed, a, chunk))
+    assert memo.recall(seed, fa) == chunk_keys(seed, a, chunk)
+    assert memo.recall(seed, fb) == []
+    memo.remember(seed, fb, chunk_keys(seed, b, chunk))
+    assert memo.recall(seed, fb) == chunk_keys(seed, b, chunk)
+    assert memo.recall(seed, fa) == []
+    assert len(memo) == 1 and memo.nbytes == FINGERPRINT_COST + KEY_BYTES * 3
+    long = [b"x" * (TAG_BYTES + TAIL_BYTES + 1), b"y" * (TAG_BYTES + TAIL_BYTES + 1)]
+    memo.remember(seed, long, chunk_keys(seed, a, chunk))
+    assert memo.recall(seed, long) == [] and len(memo) == 1
+    assert memo.nbytes == FINGERPRINT_COST + KEY_BYTES * 3

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 import blake3
+
+from hybridkv._columns import Column
+from hybridkv.core.keytable import RowBytes
+from hybridkv.core.linked_keys import END, LinkedKeys
 
 KEY_BYTES = 16
 _DOMAIN = b"hybridkv/chunk/v1"
@@ -46,7 +49,9 @@ def chain_seed(layout_fingerprint: bytes, cache_salt: str | None, extra: bytes =
     return h.digest(KEY_BYTES)
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes: what a chunk's key hashes, and how the KV
+    cache events keep a stored entry's tokens (4 bytes a token, not an int object)."""
     # `fromlist` converts a list faster than `array("I", tokens)` (with the memoryview
     # below, a 24k-token prompt's keys in 0.30 ms against 0.34-0.37: bench/lookup.py).
     arr = array("I")
@@ -54,6 +59,15 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
     if sys.byteorder != "little":
         arr.byteswap()
     return arr.tobytes()
+
+
+def tokens_from_bytes(data: bytes) -> list[int]:
+    """`token_bytes`' token ids again."""
+    arr = array("I")
+    arr.frombytes(data)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tolist()
 
 
 def _mix(link: bytes, extra: bytes) -> bytes:
@@ -80,7 +94,7 @@ def extend_chain(
     if len(chain) >= n_full:
         return chain
     start = len(chain)
-    data = _token_bytes(tokens[start * chunk_tokens : n_full * chunk_tokens])
+    data = token_bytes(tokens[start * chunk_tokens : n_full * chunk_tokens])
     step = chunk_tokens * 4
     extras: Sequence[bytes] = ()
     if chunk_extras is not None:
@@ -107,10 +121,69 @@ def chunk_keys(
     return extend_chain([], seed, tokens, chunk_tokens, chunk_extras)
 
 
-# What a remembered fingerprint costs beyond its chain's keys: its place in the map, the
-# fingerprint (vLLM's: a 32-byte bytes object) and a share of its value's header (the
-# seed is counted in the value's length).
+# What a remembered fingerprint costs beyond its chain's keys: its slot in the order's
+# table and columns (about 130 bytes with the table's slack) and a share of its chain's
+# row, rounded up.
 FINGERPRINT_COST = 200
+# A fingerprint is found by its first TAG_BYTES (vLLM's block hashes are sha256 digests,
+# so those bytes are as good as any hash of them) and checked whole against the rest,
+# which a column keeps: one of at most TAIL_BYTES.
+TAG_BYTES = 16
+TAIL_BYTES = 23
+
+
+class _Fingerprints(LinkedKeys):
+    """The memo's fingerprints, least recently recalled or remembered first: each one's
+    slot found by its tag (its first TAG_BYTES), with the rest of it and its chain's row
+    in columns."""
+
+    def __init__(self) -> None:
+        self.tails = Column("k")  # slot -> the fingerprint past its tag
+        self.chains = Column("q")  # slot -> its chain's row
+        super().__init__()
+
+    def _new_slot(self) -> None:
+        super()._new_slot()
+        self.tails.append(b"")
+        self.chains.append(-1)
+
+    def tagged(self, fingerprint: bytes) -> int | None:
+        """The slot of the fingerprint with its tag, if one is remembered."""
+        return self._slots.get(fingerprint[:TAG_BYTES])
+
+    def holds(self, slot: int, fingerprint: bytes) -> bool:
+        return self.tails[slot] == fingerprint[TAG_BYTES:]
+
+    def find(self, fingerprint: bytes) -> int | None:
+        """The slot of exactly this fingerprint, if remembered."""
+        slot = self.tagged(fingerprint)
+        return slot if slot is not None and self.holds(slot, fingerprint) else None
+
+    def tagged_all(self, fingerprints: Sequence[bytes]) -> list[int | None]:
+        """`tagged` of each, in one call on the table."""
+        return self._slots.get_many([fp[:TAG_BYTES] for fp in fingerprints], None)
+
+    def use(self, slot: int) -> None:
+        self._to_end(slot)
+
+    def add(self, fingerprint: bytes, chain: int) -> int:
+        """A slot for a fingerprint whose tag no other holds, linked in as the newest."""
+        slot = self._link_new(fingerprint[:TAG_BYTES])
+        self.tails[slot] = fingerprint[TAG_BYTES:]
+        self.chains[slot] = chain
+        return slot
+
+    def remove(self, slot: int) -> None:
+        del self._slots[self._keys[slot]]
+        self._remove(slot)
+
+    def oldest(self) -> int:
+        return self._next[END]
+
+    def clear(self) -> None:
+        self.tails.clear()
+        self.chains.clear()
+        super().clear()
 
 
 class ChainMemo:
@@ -129,7 +202,9 @@ class ChainMemo:
     fingerprints must mean equal tokens (a collision-resistant hash: the caller's choice,
     vLLM's sha256), the seed is checked here, and the caller uses the memo only for
     requests without chunk extras. A wrong recall would serve another prompt's KV, so
-    anything less certain is a miss, and a miss costs what keying cost before.
+    anything less certain is a miss, and a miss costs what keying cost before: a
+    fingerprint is matched whole, not by its tag alone (two sharing a tag replace each
+    other), and one too long to keep (over TAG_BYTES + TAIL_BYTES) is never remembered.
 
     Remembered: a chain's last chunk and every `stride`-th one (a prompt that forks from
     the middle of an earlier one rehashes at most `stride` - 1 chunks). The other
@@ -138,13 +213,17 @@ class ChainMemo:
     conversation's next turn frees its last turn's chain and fingerprint, so the memo
     holds a chain per conversation, not a growing one per turn, and a prompt that goes
     back to an earlier turn's end rehashes at most `stride` - 1 chunks, as a fork does.
-    A value is the seed and the chain's keys joined into one bytes object, shared by that
-    chain's fingerprints: nothing the garbage collector walks, 16 bytes a key (a tuple of
-    the two was tracked until a collection examined it, and at a million entries the
-    first full collection after a fill walked 17,500 of them: docs/benchmarks.md). What it
-    holds is counted (`nbytes`: each joined chain once, FINGERPRINT_COST per fingerprint)
-    and kept under `max_bytes`, least recently recalled or remembered out first, whatever
-    the prompts' lengths.
+    What it holds is counted (`nbytes`: each chain once, FINGERPRINT_COST per
+    fingerprint) and kept under `max_bytes`, least recently recalled or remembered out
+    first, whatever the prompts' lengths.
+
+    No dict that grows and shrinks with what it holds: fingerprints are slots of a
+    `LinkedKeys` order (a native table and columns), chains rows of `RowBytes` (the seed
+    and the chain's keys joined into one bytes object, which the garbage collector never
+    walks) with a count of the fingerprints naming each in a column. An `OrderedDict` of
+    fingerprints rebuilt its whole table every so often as they came and went: 4.0 ms and
+    8.0 ms in one call each while bench/lookup.py's stream filled to a million entries
+    (docs/benchmarks.md), on the scheduler's thread.
     """
 
     # 24 MiB: in bench/lookup.py's stream at 100,000 entries with the bound scaled down
@@ -154,11 +233,17 @@ class ChainMemo:
         self.max_bytes = max_bytes
         self.stride = stride
         self.nbytes = 0
-        self._chains: OrderedDict[bytes, bytes] = OrderedDict()  # fingerprint -> seed + keys
-        self._refs: dict[int, int] = {}  # id of a joined chain -> fingerprints holding it
+        self._order = _Fingerprints()
+        self._chains = RowBytes()  # row -> seed + keys
+        self._refs = Column("q")  # row -> fingerprints naming it (0: a free row)
+        self._free = Column("q")  # rows to hand out again
 
     def __len__(self) -> int:
-        return len(self._chains)
+        return len(self._order)
+
+    def chains(self) -> list[bytes]:
+        """The chains held (each once), as seed + keys."""
+        return [self._chains[row] for row in self._chains.rows()]
 
     def recall(self, seed: bytes, fingerprints: Sequence[bytes]) -> list[bytes]:
         """Keys of chunks [0, c] for the largest c whose `fingerprints[c]` (that of the
@@ -166,12 +251,15 @@ class ChainMemo:
         long); [] if none was."""
         if len(seed) != KEY_BYTES:
             return []
-        chains = self._chains
-        for c in range(len(fingerprints) - 1, -1, -1):
-            fp = fingerprints[c]
-            joined = chains.get(fp)
-            if joined is not None and joined.startswith(seed):
-                chains.move_to_end(fp)
+        order = self._order
+        rows, slots = order.chains, order.tagged_all(fingerprints)
+        for c in range(len(slots) - 1, -1, -1):
+            slot = slots[c]
+            if slot is None or not order.holds(slot, fingerprints[c]):
+                continue
+            joined = self._chains[rows[slot]]
+            if joined.startswith(seed):
+                order.use(slot)
                 end = (c + 2) * KEY_BYTES
                 return [joined[i : i + KEY_BYTES] for i in range(KEY_BYTES, end, KEY_BYTES)]
         return []
@@ -189,41 +277,61 @@ class ChainMemo:
         n = min(len(fingerprints), len(chain))
         if not n or len(seed) != KEY_BYTES:
             return
-        chains, value, stride = self._chains, b"".join((seed, *chain[:n])), self.stride
+        order, stride = self._order, self.stride
         for c in range(min(recalled, n - 1)):
-            if (c + 1) % stride and (old := chains.pop(fingerprints[c], None)) is not None:
-                self._drop(old)
+            if (c + 1) % stride and (slot := order.find(fingerprints[c])) is not None:
+                self._drop(slot)
+        row = self._new_chain(b"".join((seed, *chain[:n])))
         for c in (*range(stride - 1, n - 1, stride), n - 1):
             fp = fingerprints[c]
-            old = chains.get(fp)
-            if old is None:
-                self.nbytes += FINGERPRINT_COST
+            if len(fp) > TAG_BYTES + TAIL_BYTES:
+                continue
+            slot = order.tagged(fp)
+            if slot is not None and order.holds(slot, fp):
+                self._release(order.chains[slot])
+                order.chains[slot] = row
+                order.use(slot)
             else:
-                self._release(old)
-            chains[fp] = value
-            chains.move_to_end(fp)
-            self._hold(value)
+                if slot is not None:  # another fingerprint with its tag: replaced
+                    self._drop(slot)
+                order.add(fp, row)
+                self.nbytes += FINGERPRINT_COST
+            self._hold(row)
+        if not self._refs[row]:  # no fingerprint of it could be kept
+            self._free_chain(row)
         while self.nbytes > self.max_bytes:
-            self._drop(chains.popitem(last=False)[1])
+            self._drop(order.oldest())
 
-    def _drop(self, value: bytes) -> None:
-        """A fingerprint left the map; `value` was its chain."""
-        self.nbytes -= FINGERPRINT_COST
-        self._release(value)
-
-    def _hold(self, joined: bytes) -> None:
-        n = self._refs.get(id(joined), 0)  # (held by the map while counted here)
-        if not n:
-            self.nbytes += len(joined)
-        self._refs[id(joined)] = n + 1
-
-    def _release(self, joined: bytes) -> None:
-        n = self._refs[id(joined)] - 1
-        if n:
-            self._refs[id(joined)] = n
+    def _new_chain(self, joined: bytes) -> int:
+        """A row for a chain no fingerprint names yet (counted once one does)."""
+        if self._free:
+            row = self._free.pop()
         else:
-            del self._refs[id(joined)]
-            self.nbytes -= len(joined)
+            row = len(self._refs)
+            self._refs.append(0)
+        self._chains[row] = joined
+        return row
+
+    def _free_chain(self, row: int) -> None:
+        del self._chains[row]
+        self._free.append(row)
+
+    def _drop(self, slot: int) -> None:
+        """A fingerprint leaves the memo."""
+        self.nbytes -= FINGERPRINT_COST
+        self._release(self._order.chains[slot])
+        self._order.remove(slot)
+
+    def _hold(self, row: int) -> None:
+        if not self._refs[row]:
+            self.nbytes += len(self._chains[row])
+        self._refs[row] += 1
+
+    def _release(self, row: int) -> None:
+        self._refs[row] -= 1
+        if not self._refs[row]:
+            self.nbytes -= len(self._chains[row])
+            self._free_chain(row)
 
 
 _GROUP_SUFFIX = tuple(g.to_bytes(2, "big") for g in range(256))

@@ -52,3 +52,36 @@ def first_found(keys: Sequence[bytes], pick: Callable[[Sequence[bytes]], list[by
         start += size
         size *= 2
     return len(keys)
+
+
+class RowBytes:
+    """A byte string per row, in dicts split 64 ways by the row.
+
+    Not one dict: one whose keys come and go rebuilds its whole table every so often, on
+    the scheduler's thread (milliseconds at a million entries: the module docstring);
+    split, each rebuild costs a 64th. Not a list: the garbage collector follows every item of a
+    list in each full collection, and never looks inside a dict of ints and bytes."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self) -> None:
+        self._parts: list[dict[int, bytes]] = [{} for _ in range(PARTS)]
+
+    def __getitem__(self, row: int) -> bytes:
+        return self._parts[row & PARTS - 1][row]
+
+    def __setitem__(self, row: int, value: bytes) -> None:
+        self._parts[row & PARTS - 1][row] = value
+
+    def __delitem__(self, row: int) -> None:
+        del self._parts[row & PARTS - 1][row]
+
+    def __len__(self) -> int:
+        return sum(map(len, self._parts))
+
+    def rows(self) -> list[int]:
+        return [row for part in self._parts for row in part]
+
+    def clear(self) -> None:
+        for part in self._parts:
+            part.clear()

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
@@ -43,7 +42,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
-from hybridkv.core.keys import group_key
+from hybridkv.core.keys import group_key, token_bytes, tokens_from_bytes
 from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.planner import Planner
 from hybridkv.core.resumable import ResumableTracker
@@ -62,18 +61,32 @@ OWNERSHIP = "hybridkv"
 LOCALITY = "LOCAL"
 
 
-@dataclass(frozen=True)
-class _Payload:
-    """What a `BlockStored` says of one entry's blocks."""
+class _Payload(NamedTuple):
+    """What a `BlockStored` says of one entry's blocks, kept compact: the blocks' hashes
+    as vLLM made them, joined (`width` bytes each), and their token ids as uint32 bytes,
+    4 bytes a token (tuples of vLLM's token ints kept every stored token's int object
+    alive: bench/lookup.py --events, docs/benchmarks.md). Kept as a plain tuple of
+    strings and numbers (`KVEvents._payloads`), which the garbage collector stops
+    tracking after one collection (never an instance of a tuple's subclass, as this)."""
 
     group: int
-    hashes: tuple[Any, ...]
-    parent: Any
-    token_ids: tuple[int, ...]
+    hashes: bytes
+    width: int
+    parent: bytes | None
+    tokens: bytes
     block_size: int
     lora_id: int | None
     lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None
+
+    def block_hashes(self) -> list[Any]:
+        w = self.width
+        return [
+            maybe_convert_block_hash(self.hashes[i : i + w]) for i in range(0, len(self.hashes), w)
+        ]
+
+    def last_hash(self) -> bytes:
+        return self.hashes[-self.width :]
 
 
 def kv_events(
@@ -117,7 +130,7 @@ class KVEvents:
         self._state = [g for g, s in enumerate(layout.groups) if s.kind is GroupKind.STATE]
         tiers = ("cpu", "disk") if disk else ("cpu",)
         self.tracker = ResumableTracker(tiers, self._present)
-        self._payloads: dict[bytes, _Payload] = {}
+        self._payloads: dict[bytes, tuple] = {}  # entry -> its `_Payload`, as a plain tuple
         self.broken = False  # an error in the tracker turned the events off
 
     def _present(self, tier: str, key: bytes) -> bool:
@@ -202,16 +215,23 @@ class KVEvents:
             generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, 0)[0]
             for i in range(first, last)
         ]
-        self._payloads[entry] = _Payload(
+        own = [hashes[i] for i in range(first, last)]
+        width = len(own[0])
+        if any(len(h) != width for h in own):
+            raise ValueError("an entry's block hashes have one length")
+        extra_keys = to_event_extra_keys(extra)
+        payload = _Payload(
             group=g,
-            hashes=tuple(maybe_convert_block_hash(hashes[i]) for i in range(first, last)),
-            parent=maybe_convert_block_hash(hashes[first - 1]) if first > 0 else None,
-            token_ids=tuple(request.all_token_ids[start:end]),
+            hashes=b"".join(own),
+            width=width,
+            parent=hashes[first - 1] if first > 0 else None,
+            tokens=token_bytes(request.all_token_ids[start:end]),
             block_size=bs,
             lora_id=lora.adapter_id if lora else None,
             lora_name=lora.name if lora else None,
-            extra_keys=to_event_extra_keys(extra),
+            extra_keys=tuple(extra_keys) if extra_keys is not None else None,
         )
+        self._payloads[entry] = tuple(payload)
 
     # ---- out ------------------------------------------------------------------------------
     def take(self) -> list[KVCacheEvent]:
@@ -222,14 +242,18 @@ class KVEvents:
         events: list[KVCacheEvent] = []
         for a in self.tracker.take():
             medium = MEDIA[a.tier]
-            known = [(e, p) for e in a.entries if (p := self._payloads.get(e)) is not None]
+            known = [
+                (e, _Payload._make(p))
+                for e in a.entries
+                if (p := self._payloads.get(e)) is not None
+            ]
             if a.stored:
                 # by group (stable: each group's entries stay in chain order)
                 events += self._stored(sorted((p for _, p in known), key=_group), medium)
                 continue
             by_group: dict[int, list[Any]] = {}
             for _, p in known:
-                by_group.setdefault(p.group, []).extend(p.hashes)
+                by_group.setdefault(p.group, []).extend(p.block_hashes())
             for g, hashes in by_group.items():
                 events.append(
                     BlockRemoved(
@@ -257,24 +281,27 @@ class KVEvents:
                 and last is not None
                 and (p.group, p.block_size, p.lora_name)
                 == (last.group, last.block_size, last.lora_name)
-                and p.parent == last.hashes[-1]
+                and p.parent == last.last_hash()
             ):
-                e.block_hashes.extend(p.hashes)
-                e.token_ids.extend(p.token_ids)
+                hashes = p.block_hashes()
+                e.block_hashes.extend(hashes)
+                e.token_ids.extend(tokens_from_bytes(p.tokens))
                 if e.extra_keys is not None or p.extra_keys is not None:
-                    before = e.extra_keys or [None] * (len(e.block_hashes) - len(p.hashes))
-                    e.extra_keys = before + (p.extra_keys or [None] * len(p.hashes))
+                    before = e.extra_keys or [None] * (len(e.block_hashes) - len(hashes))
+                    e.extra_keys = before + list(p.extra_keys or [None] * len(hashes))
             else:
                 events.append(
                     BlockStored(
-                        block_hashes=list(p.hashes),
-                        parent_block_hash=p.parent,
-                        token_ids=list(p.token_ids),
+                        block_hashes=p.block_hashes(),
+                        parent_block_hash=(
+                            maybe_convert_block_hash(p.parent) if p.parent is not None else None
+                        ),
+                        token_ids=tokens_from_bytes(p.tokens),
                         block_size=p.block_size,
                         lora_id=p.lora_id,
                         medium=medium,
                         lora_name=p.lora_name,
-                        extra_keys=p.extra_keys,
+                        extra_keys=list(p.extra_keys) if p.extra_keys is not None else None,
                         group_idx=p.group,
                         kv_cache_spec_kind=self._kind[p.group],
                         kv_cache_spec_sliding_window=self._window[p.group],
