@@ -400,3 +400,19 @@ def test_chain_memo_matches_a_fingerprint_whole_not_by_its_tag():
     memo.remember(seed, long, chunk_keys(seed, a, chunk))
     assert memo.recall(seed, long) == [] and len(memo) == 1
     assert memo.nbytes == FINGERPRINT_COST + KEY_BYTES * 3
+
+
+@pytest.mark.parametrize("same_tail", [True, False])
+def test_chain_memo_remembers_a_chain_whose_fingerprints_repeat_or_share_a_tag(same_tail):
+    """Fingerprints of one chain that are equal, or share a tag only, each replace the
+    one before within the same `remember`: the chain stays held and counted once."""
+    seed, chunk = bytes(KEY_BYTES), 4
+    tokens = list(range(1, 13))  # 3 chunks
+    fp = bytes(TAG_BYTES) + b"t" * 16
+    fps = [fp if same_tail else fp[:-1] + bytes([c]) for c in range(3)]
+    memo = ChainMemo(stride=1)
+    memo.remember(seed, fps, chunk_keys(seed, tokens, chunk))
+    assert len(memo) == 1
+    assert memo.chains() == [seed + b"".join(chunk_keys(seed, tokens, chunk))]
+    assert memo.nbytes == FINGERPRINT_COST + KEY_BYTES * 4
+    assert memo.recall(seed, fps[2:]) == chunk_keys(seed, tokens, chunk)[:1]

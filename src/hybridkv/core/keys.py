@@ -282,6 +282,7 @@ class ChainMemo:
             if (c + 1) % stride and (slot := order.find(fingerprints[c])) is not None:
                 self._drop(slot)
         row = self._new_chain(b"".join((seed, *chain[:n])))
+        self._hold(row)  # while its fingerprints are placed: replacing one never frees it
         for c in (*range(stride - 1, n - 1, stride), n - 1):
             fp = fingerprints[c]
             if len(fp) > TAG_BYTES + TAIL_BYTES:
@@ -297,13 +298,12 @@ class ChainMemo:
                 order.add(fp, row)
                 self.nbytes += FINGERPRINT_COST
             self._hold(row)
-        if not self._refs[row]:  # no fingerprint of it could be kept
-            self._free_chain(row)
+        self._release(row)  # freed if no fingerprint of it could be kept
         while self.nbytes > self.max_bytes:
             self._drop(order.oldest())
 
     def _new_chain(self, joined: bytes) -> int:
-        """A row for a chain no fingerprint names yet (counted once one does)."""
+        """A row for a chain nothing holds yet (counted once something does)."""
         if self._free:
             row = self._free.pop()
         else:
