@@ -38,19 +38,21 @@ from dataclasses import dataclass, field
 DORMANT_LIMIT = 4096
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Node:
     key: bytes
     parent: _Node | None
     entries: tuple[bytes, ...]  # its full-attention entries
-    children: set[_Node] = field(default_factory=set)
-    bounds: set[_Boundary] = field(default_factory=set)
+    # None while empty (most nodes): a set is one more object for every full collection
+    # of the garbage collector to walk, on the scheduler's thread.
+    children: set[_Node] | None = None
+    bounds: set[_Boundary] | None = None
     missing: dict[str, int] = field(default_factory=dict)  # tier -> own entries absent
     prefix: dict[str, bool] = field(default_factory=dict)  # tier -> prefix(n) holds
     cover: dict[str, int] = field(default_factory=dict)  # tier -> true bounds + covered kids
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Boundary:
     bid: bytes
     node: _Node | None  # None: it needs no full-attention chunk
@@ -74,7 +76,8 @@ class ResumableTracker:
         self._present = present
         self._nodes: dict[bytes, _Node] = {}
         self._bounds: dict[bytes, _Boundary] = {}
-        self._by_entry: dict[bytes, list[_Node | _Boundary]] = {}
+        # entry -> what watches it: the one item (nearly always), or a list of them
+        self._by_entry: dict[bytes, _Node | _Boundary | list[_Node | _Boundary]] = {}
         self._shown: dict[tuple[str, bytes], int] = {}  # (tier, entry) -> announcers
         self._dormant: OrderedDict[bytes, None] = OrderedDict()
         self._out: list[tuple[str, bool, bytes]] = []
@@ -92,6 +95,8 @@ class ResumableTracker:
         node = _Node(key, up, tuple(entries))
         self._nodes[key] = node
         if up is not None:
+            if up.children is None:
+                up.children = set()
             up.children.add(node)
         self._watch(node, node.entries)
         for tier in self.tiers:
@@ -108,6 +113,8 @@ class ResumableTracker:
         b = _Boundary(bid, at, tuple(needs))
         self._bounds[bid] = b
         if at is not None:
+            if at.bounds is None:
+                at.bounds = set()
             at.bounds.add(b)
         self._watch(b, b.needs)
         for tier in self.tiers:
@@ -117,8 +124,15 @@ class ResumableTracker:
 
     def _watch(self, item: _Node | _Boundary, entries: Sequence[bytes]) -> None:
         """Follow `entries` for `item`, counting those each tier lacks now."""
+        by_entry = self._by_entry
         for e in entries:
-            self._by_entry.setdefault(e, []).append(item)
+            watchers = by_entry.get(e)
+            if watchers is None:
+                by_entry[e] = item
+            elif isinstance(watchers, list):
+                watchers.append(item)
+            else:
+                by_entry[e] = [watchers, item]
         for tier in self.tiers:
             item.missing[tier] = sum(not self._present(tier, e) for e in entries)
 
@@ -126,7 +140,7 @@ class ResumableTracker:
     def changed(self, tier: str, entry: bytes, present: bool) -> None:
         """`entry` arrived on (or left) `tier`. Told only of actual changes."""
         step = -1 if present else 1
-        for item in list(self._by_entry.get(entry, ())):  # forgetting edits the list
+        for item in self._watchers(entry):
             if not self._live(item):
                 continue  # forgotten by the dormant limit meanwhile
             item.missing[tier] += step
@@ -135,6 +149,13 @@ class ResumableTracker:
                 self._maybe_dormant(item)
             else:
                 self._set_prefix(item, tier)
+
+    def _watchers(self, entry: bytes) -> list[_Node | _Boundary]:
+        """What watches `entry`, as a list of its own (forgetting edits the map's)."""
+        watchers = self._by_entry.get(entry)
+        if watchers is None:
+            return []
+        return list(watchers) if isinstance(watchers, list) else [watchers]
 
     def clear(self, tier: str) -> None:
         """Everything left `tier` at once (a cache reset): retract what it showed."""
@@ -164,11 +185,11 @@ class ResumableTracker:
             if now == n.prefix[tier]:
                 continue
             n.prefix[tier] = now
-            for b in list(n.bounds):  # the dormant limit may forget some
+            for b in list(n.bounds or ()):  # the dormant limit may forget some
                 if self._live(b):
                     self._settle(b, tier)
                     self._maybe_dormant(b)
-            stack.extend(n.children)
+            stack.extend(n.children or ())
 
     def _settle(self, b: _Boundary, tier: str) -> None:
         now = b.missing[tier] == 0 and (b.node is None or b.node.prefix[tier])
@@ -231,24 +252,33 @@ class ResumableTracker:
                 self._settle(b, tier)
         self._unwatch(b, b.needs)
         node = b.node
-        if node is not None:
+        if node is not None and node.bounds is not None:
             node.bounds.discard(b)
+            node.bounds = node.bounds or None
         while node is not None and not node.bounds and not node.children:
             del self._nodes[node.key]
             self._unwatch(node, node.entries)
-            if node.parent is not None:
-                node.parent.children.discard(node)
-            node = node.parent
+            up = node.parent
+            if up is not None and up.children is not None:
+                up.children.discard(node)
+                up.children = up.children or None
+            node = up
 
     def _unwatch(self, item: _Node | _Boundary, entries: Iterable[bytes]) -> None:
+        by_entry = self._by_entry
         for e in entries:
-            watchers = self._by_entry.get(e)
-            if watchers is None:
-                continue
-            watchers[:] = [w for w in watchers if w is not item]
-            if not watchers:
-                del self._by_entry[e]
-                self._released.append(e)
+            watchers = by_entry.get(e)
+            if isinstance(watchers, list):
+                watchers[:] = [w for w in watchers if w is not item]
+                if len(watchers) > 1:
+                    continue
+                if watchers:
+                    by_entry[e] = watchers[0]
+                    continue
+            elif watchers is not item:
+                continue  # not watched, or by another
+            del by_entry[e]
+            self._released.append(e)
 
     # ---- output ---------------------------------------------------------------------------
     def take(self) -> list[Announcement]:
