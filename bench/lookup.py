@@ -42,7 +42,9 @@ another source with `PYTHONPATH=<its src>` (the "before" of docs/benchmarks.md).
 `--events`: the stream with vLLM's KV cache events on, as `--kv-events-config` turns them
 on for routers: every boundary stored is told to the events (vllm/kv_events.py), which
 keep each entry's payload (its blocks' hashes and tokens) while it can be announced, and
-the step's events are taken every step, as vLLM's scheduler takes them.
+the step's events are taken every step, as vLLM's scheduler takes them. The memory
+figure then misses what the tracker's dataclasses allocate in their generated `__init__`
+(tracemalloc files it under `<string>`, outside the filter).
 
 `--step-tokens N`: the stream's prefills capped at N tokens a step, as vLLM's token budget
 spreads a long prompt's prefill, and so its stores, over several steps (by default each
