@@ -14,10 +14,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
-# The suite's rule for a wrong output, kept with the server harness for bench/soak.py too
-# (imported once the environment above is set: it imports hybridkv.server).
-from serving import LOGPROB_NOISE, real_difference  # noqa: E402, F401
-
 # Inputs a test draws (prompt lengths, workloads) come from generators seeded from this,
 # never from values picked because they pass; every run prints it in its header, and
 # HYBRIDKV_TEST_SEED draws other inputs.

@@ -14,7 +14,8 @@ that rule by one block per recurrent group.
 from __future__ import annotations
 
 import pytest
-from conftest import real_difference, tokens
+from conftest import tokens
+from serving import real_difference
 
 from hybridkv.engine import generate, scheduler_connector, worker_connector
 

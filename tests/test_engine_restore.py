@@ -8,7 +8,8 @@ reference everywhere: on some CPUs the kernels round differently with the batch 
 from __future__ import annotations
 
 import pytest
-from conftest import real_difference, tokens
+from conftest import tokens
+from serving import real_difference
 
 from hybridkv.core.keys import group_key
 from hybridkv.core.layout import GroupKind

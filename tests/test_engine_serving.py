@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import real_difference, tokens
+from conftest import tokens
+from serving import real_difference
 
 from hybridkv.engine import generate, scheduler_connector
 

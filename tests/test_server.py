@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SEED, real_difference
+from conftest import SEED
 from serving import (
     Completion,
     MiB,
@@ -47,6 +47,7 @@ from serving import (
     hybridkv_stats,
     last_boundary,
     log_problems,
+    real_difference,
     start_server,
     stream_then_close,
     tokens,
