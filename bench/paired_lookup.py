@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--before", type=Path, required=True, help="the src directory of 'before'")
     p.add_argument("--entries", type=int, default=100000)
     p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--events", action="store_true", help="both with vLLM's KV cache events on")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         before_tree(args.before.resolve(), Path(tmp))
@@ -65,8 +66,8 @@ def main() -> None:
         import lookup_before
 
         streams = {
-            "before": lookup_before.Serving(args.entries),
-            "after": lookup.Serving(args.entries),
+            "before": lookup_before.Serving(args.entries, events=args.events),
+            "after": lookup.Serving(args.entries, events=args.events),
         }
         gc.collect()
         gc.freeze()  # as bench/lookup.py does: what start-up allocated is not walked
@@ -94,7 +95,8 @@ def main() -> None:
                 if collections[0] == before:
                     uncollected[name].append(secs)
         gc.callbacks.remove(count)
-    print(f"{args.entries} entries, {args.steps} steps each, interleaved")
+    events = ", KV cache events on" if args.events else ""
+    print(f"{args.entries} entries, {args.steps} steps each, interleaved{events}")
     for name, stream in streams.items():
         evictions = stream.side.index.stats.cpu_evictions
         hit = (stream.hit_tokens - hits[name]) / args.steps

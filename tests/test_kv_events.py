@@ -348,3 +348,22 @@ def test_a_scorer_on_the_events_picks_the_replica_that_restores_most(model_dirs,
             b.close()
     finally:
         a.close()
+
+
+def test_block_hashes_go_out_as_ints_where_vllm_is_asked_to(monkeypatch):
+    """With `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` (vLLM's default; read once per step)
+    every hash goes out as the int vLLM's own conversion makes of it; set to 0, as vLLM's
+    bytes, unchanged."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from hybridkv.vllm.kv_events import _Payload
+
+    hashes = [bytes(range(i, i + 32)) for i in range(3)] + [b"\xff" * 8, b"\x01" * 16]
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+    for width in (32, 8, 16):
+        same = [h for h in hashes if len(h) == width]
+        p = _Payload(0, b"".join(same), width, None, b"", 16, None, None, None)
+        assert p.block_hashes(False) == same
+        ints = p.block_hashes(True)
+        assert ints == [maybe_convert_block_hash(h) for h in same]
+        assert all(isinstance(h, int) for h in ints)

@@ -5,6 +5,9 @@ and its announcements replayed in order reach that same set."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -98,6 +101,41 @@ def test_the_dormant_limit_keeps_the_rest_exact(program):
         resumable.DORMANT_LIMIT = original
 
 
+def _walk(first: int, nxt, limit: int) -> list[int]:
+    """A linked list's items from `first`; a cycle fails (rather than hangs) the test."""
+    items = []
+    while first != resumable.NONE:
+        assert len(items) <= limit, "a linked list runs in a circle"
+        items.append(first)
+        first = nxt[first]
+    return items
+
+
+def assert_consistent(t: ResumableTracker) -> None:
+    """The tracker's columns agree with one another: the tables name the live rows, each
+    live row is in its parent's list of kids exactly once (both ways linked), and each
+    entry's links name exactly the live rows listing it."""
+    kind, up, rows = t._kind, t._up, range(len(t._kind))
+    live = {r for r in rows if kind[r] != resumable._FREE}
+    assert sorted(t._nodes.values()) == sorted(r for r in live if kind[r] == resumable._NODE)
+    assert sorted(t._bounds.values()) == sorted(r for r in live if kind[r] == resumable._BOUND)
+    for r in live:
+        if kind[r] != resumable._NODE:
+            continue
+        kids = _walk(t._first[r], t._next, len(rows))
+        assert sorted(kids) == sorted(k for k in live if up[k] == r)
+        assert [t._prev[k] for k in kids] == [resumable.NONE, *kids[:-1]]
+    listed: dict[bytes, list[int]] = {}
+    for r in sorted(live):
+        for e in resumable._split(t._entries[r]):
+            listed.setdefault(e, []).append(r)
+    linked = {
+        e: sorted(t._link_row[k] for k in _walk(link, t._link_next, len(t._link_row)))
+        for e, link in t._heads.items()
+    }
+    assert linked == listed
+
+
 def run_program(program) -> None:
     w = World()
     for op in program:
@@ -124,6 +162,7 @@ def run_program(program) -> None:
             del w.bounds[bid]  # forgotten by the dormant limit
         for tier in TIERS:
             assert w.tracker.shown(tier) == w.expected(tier), tier
+        assert_consistent(w.tracker)
     w.replay()
     for tier in TIERS:
         assert w.replayed[tier] == w.expected(tier), tier
@@ -176,3 +215,35 @@ def test_a_burst_comes_out_as_one_announcement_per_tier():
     (removed,) = w.tracker.take()
     assert not removed.stored and len(removed.entries) == n
     assert w.tracker.take() == [] and w.tracker.shown("cpu") == set()
+
+
+def _random_program(rng: random.Random, length: int) -> list[tuple]:
+    """A program of `ops`' shapes, drawn for churn: boundaries sharing states, forgotten
+    and registered again, so that rows and watch links are freed and handed out anew."""
+    program: list[tuple] = []
+    for _ in range(length):
+        r = rng.random()
+        if r < 0.35:
+            path = tuple(rng.randrange(3) for _ in range(rng.randrange(5)))
+            program.append(("boundary", path, [rng.randrange(6) for _ in range(rng.randrange(4))]))
+        elif r < 0.75:
+            program.append(("toggle", rng.choice(TIERS), rng.randrange(41)))
+        elif r < 0.8:
+            program.append(("clear", rng.choice(TIERS)))
+        elif r < 0.95:
+            program.append(("forget", rng.randrange(31)))
+        else:
+            program.append(("take",))
+    return program
+
+
+@pytest.mark.parametrize("limit", [2, 5, resumable.DORMANT_LIMIT])
+def test_long_random_histories(monkeypatch, limit):
+    """Long seeded histories (the seed printed): hypothesis' short programs rarely free a
+    row or a watch link and hand it out again, which long ones do all the time."""
+    seed = random.randrange(2**32)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    monkeypatch.setattr(resumable, "DORMANT_LIMIT", limit)
+    for _ in range(40):
+        run_program(_random_program(rng, 300))

@@ -55,31 +55,43 @@ def first_found(keys: Sequence[bytes], pick: Callable[[Sequence[bytes]], list[by
 
 
 class RowBytes:
-    """A byte string per row, in dicts split 64 ways by the row.
+    """A byte string per key (a row number, or a byte string), in dicts split 64 ways by
+    the key's hash.
 
     Not one dict: one whose keys come and go rebuilds its whole table every so often, on
     the scheduler's thread (milliseconds at a million entries: the module docstring);
-    split, each rebuild costs a 64th. Not a list: the garbage collector follows every item of a
-    list in each full collection, and never looks inside a dict of ints and bytes."""
+    split, each rebuild costs a 64th. Not a list, nor values of other kinds: the garbage
+    collector follows every item of a list, or of a dict holding a container, in each full
+    collection, and never looks inside a dict of ints and bytes."""
 
     __slots__ = ("_parts",)
 
     def __init__(self) -> None:
-        self._parts: list[dict[int, bytes]] = [{} for _ in range(PARTS)]
+        self._parts: list[dict[int | bytes, bytes]] = [{} for _ in range(PARTS)]
 
-    def __getitem__(self, row: int) -> bytes:
-        return self._parts[row & PARTS - 1][row]
+    def __getitem__(self, key: int | bytes) -> bytes:
+        return self._parts[hash(key) & PARTS - 1][key]
 
-    def __setitem__(self, row: int, value: bytes) -> None:
-        self._parts[row & PARTS - 1][row] = value
+    def get(self, key: int | bytes) -> bytes | None:
+        return self._parts[hash(key) & PARTS - 1].get(key)
 
-    def __delitem__(self, row: int) -> None:
-        del self._parts[row & PARTS - 1][row]
+    def __setitem__(self, key: int | bytes, value: bytes) -> None:
+        self._parts[hash(key) & PARTS - 1][key] = value
+
+    def __delitem__(self, key: int | bytes) -> None:
+        del self._parts[hash(key) & PARTS - 1][key]
+
+    def pop(self, key: int | bytes) -> bytes | None:
+        """The key's value, removed; None if it has none."""
+        return self._parts[hash(key) & PARTS - 1].pop(key, None)
+
+    def __contains__(self, key: int | bytes) -> bool:
+        return key in self._parts[hash(key) & PARTS - 1]
 
     def __len__(self) -> int:
         return sum(map(len, self._parts))
 
-    def rows(self) -> list[int]:
+    def rows(self) -> list[int | bytes]:
         return [row for part in self._parts for row in part]
 
     def clear(self) -> None:

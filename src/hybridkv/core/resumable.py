@@ -25,40 +25,33 @@ must not rescan what it holds):
 Entries are opaque keys and tiers opaque names: `present(tier, key)` answers for the
 current state, and `changed` is told each change. Cost is proportional to what changes
 (an evicted chain head retracts every prefix below it, which is what a router must hear).
+
+Nodes and boundaries are rows of native columns, not Python objects: the graph has a
+node per stored chunk, and with objects (a few sets and dicts each) every full collection
+of the garbage collector, on the scheduler's thread, walked all of them, 60-116 ms at
+30,000 entries and growing with the tier (docs/benchmarks.md). A row's kids (the child
+nodes and boundaries under a node) are a linked list through its columns, an entry's
+watchers a linked list of links, the counts per tier columns and the announced entries
+`KeyTable`s (core/keytable.py); keys, entries and boundary ids are therefore byte strings
+of at most 23 bytes (entry keys have 18: core/keys.py).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from hybridkv._columns import Column
+from hybridkv.core.keytable import KeyTable, RowBytes
 
 # Boundaries restorable nowhere are kept (their entries may arrive later: a disk write
 # lands steps after the store) up to this many, the least recently registered dropped.
 DORMANT_LIMIT = 4096
 
-
-@dataclass(eq=False, slots=True)
-class _Node:
-    key: bytes
-    parent: _Node | None
-    entries: tuple[bytes, ...]  # its full-attention entries
-    # None while empty (most nodes): a set is one more object for every full collection
-    # of the garbage collector to walk, on the scheduler's thread.
-    children: set[_Node] | None = None
-    bounds: set[_Boundary] | None = None
-    missing: dict[str, int] = field(default_factory=dict)  # tier -> own entries absent
-    prefix: dict[str, bool] = field(default_factory=dict)  # tier -> prefix(n) holds
-    cover: dict[str, int] = field(default_factory=dict)  # tier -> true bounds + covered kids
-
-
-@dataclass(eq=False, slots=True)
-class _Boundary:
-    bid: bytes
-    node: _Node | None  # None: it needs no full-attention chunk
-    needs: tuple[bytes, ...]  # entries of its own: states, window chunks
-    missing: dict[str, int] = field(default_factory=dict)
-    true: dict[str, bool] = field(default_factory=dict)
+NONE = -1  # no row: a root node's parent, a boundary that needs no chunk, a list's end
+_FREE, _NODE, _BOUND = 0, 1, 2  # what a row holds
+_KEY_BYTES = 23  # the most a KeyTable key holds
 
 
 @dataclass(frozen=True)
@@ -70,18 +63,106 @@ class Announcement:
     entries: tuple[bytes, ...]
 
 
+def _join(entries: Sequence[bytes]) -> bytes:
+    """A row's entries as one byte string, each after its length."""
+    return b"".join(bytes((len(e),)) + e for e in entries)
+
+
+def _split(joined: bytes) -> list[bytes]:
+    out, i = [], 0
+    while i < len(joined):
+        n = joined[i]
+        out.append(joined[i + 1 : i + 1 + n])
+        i += 1 + n
+    return out
+
+
+def _check(keys: Iterable[bytes]) -> None:
+    for k in keys:
+        if not isinstance(k, bytes) or len(k) > _KEY_BYTES:
+            raise ValueError(f"tracked keys are bytes of at most {_KEY_BYTES}, got {k!r}")
+
+
 class ResumableTracker:
     def __init__(self, tiers: Sequence[str], present: Callable[[str, bytes], bool]):
         self.tiers = tuple(tiers)
+        self._tier = {tier: t for t, tier in enumerate(self.tiers)}
         self._present = present
-        self._nodes: dict[bytes, _Node] = {}
-        self._bounds: dict[bytes, _Boundary] = {}
-        # entry -> what watches it: the one item (nearly always), or a list of them
-        self._by_entry: dict[bytes, _Node | _Boundary | list[_Node | _Boundary]] = {}
-        self._shown: dict[tuple[str, bytes], int] = {}  # (tier, entry) -> announcers
-        self._dormant: OrderedDict[bytes, None] = OrderedDict()
+        self._nodes = KeyTable()  # chunk key -> its row
+        self._bounds = KeyTable()  # boundary id -> its row
+        # per row
+        self._key = Column("k")  # the chunk key or boundary id
+        self._kind = Column("b")
+        self._up = Column("q")  # a node's parent node, a boundary's node, or NONE
+        self._first = Column("q")  # a node's first kid (child node or boundary)
+        self._next = Column("q")  # the next and previous kid of the same node
+        self._prev = Column("q")
+        self._entries = RowBytes()  # a node's full-attention entries, a boundary's needs
+        self._size = Column("q")  # how many entries
+        # per tier, per row: entries absent; a node's prefix(n) or a boundary's truth;
+        # a node's cover (true boundaries at it and covered children)
+        self._missing = [Column("q") for _ in self.tiers]
+        self._on = [Column("b") for _ in self.tiers]
+        self._cover = [Column("q") for _ in self.tiers]
+        self._free = Column("q")  # rows to hand out again
+        # entry -> its first link; a link names one row watching the entry, and the next
+        self._heads = KeyTable()
+        self._link_row = Column("q")
+        self._link_next = Column("q")
+        self._link_free = Column("q")
+        self._shown = [KeyTable() for _ in self.tiers]  # entry -> boundaries announcing it
+        self._dormant: OrderedDict[bytes, None] = OrderedDict()  # at most DORMANT_LIMIT
         self._out: list[tuple[str, bool, bytes]] = []
         self._released: list[bytes] = []  # entries no longer watched, since the last take
+
+    # ---- rows -----------------------------------------------------------------------------
+    def _new_row(self, key: bytes, kind: int, up: int, entries: Sequence[bytes]) -> int:
+        if self._free:
+            row = self._free.pop()
+        else:
+            row = len(self._kind)
+            for column in (self._kind, self._size, *self._on):
+                column.append(0)
+            for column in (self._up, self._first, self._next, self._prev):
+                column.append(NONE)
+            for column in (*self._missing, *self._cover):
+                column.append(0)
+            self._key.append(b"")
+        self._key[row], self._kind[row], self._up[row] = key, kind, up
+        self._first[row], self._prev[row] = NONE, NONE
+        self._entries[row], self._size[row] = _join(entries), len(entries)
+        if up != NONE:  # first among its parent's kids
+            after = self._first[up]
+            self._next[row], self._first[up] = after, row
+            if after != NONE:
+                self._prev[after] = row
+        else:
+            self._next[row] = NONE
+        for t in range(len(self.tiers)):
+            self._on[t][row], self._cover[t][row] = 0, 0
+        self._watch(row, entries)
+        return row
+
+    def _free_row(self, row: int) -> None:
+        up, before, after = self._up[row], self._prev[row], self._next[row]
+        if before != NONE:
+            self._next[before] = after
+        elif up != NONE:
+            self._first[up] = after
+        if after != NONE:
+            self._prev[after] = before
+        self._unwatch(row, _split(self._entries[row]))
+        del self._entries[row]
+        self._kind[row] = _FREE
+        self._free.append(row)
+
+    def _kids(self, row: int) -> list[int]:
+        kids, nxt = [], self._next
+        kid = self._first[row]
+        while kid != NONE:
+            kids.append(kid)
+            kid = nxt[kid]
+        return kids
 
     # ---- registration ---------------------------------------------------------------------
     def chunk(self, key: bytes, parent: bytes | None, entries: Sequence[bytes]) -> None:
@@ -89,19 +170,14 @@ class ResumableTracker:
         the chunk before it (registered first), `entries` its full-attention entries."""
         if key in self._nodes:
             return
-        up = self._nodes.get(parent) if parent is not None else None
-        if parent is not None and up is None:
+        up = self._nodes.get(parent, NONE) if parent is not None else NONE
+        if parent is not None and up == NONE:
             raise ValueError("a chunk's parent must be registered before it")
-        node = _Node(key, up, tuple(entries))
-        self._nodes[key] = node
-        if up is not None:
-            if up.children is None:
-                up.children = set()
-            up.children.add(node)
-        self._watch(node, node.entries)
-        for tier in self.tiers:
-            node.prefix[tier] = node.missing[tier] == 0 and (up is None or up.prefix[tier])
-            node.cover[tier] = 0
+        _check((key, *entries))
+        row = self._new_row(key, _NODE, up, entries)
+        self._nodes[key] = row
+        for t in range(len(self.tiers)):
+            self._on[t][row] = self._missing[t][row] == 0 and (up == NONE or self._on[t][up])
 
     def boundary(self, bid: bytes, node: bytes | None, needs: Sequence[bytes]) -> None:
         """A boundary a hit may resume at: `node` is the chunk it ends (registered), `needs`
@@ -109,133 +185,155 @@ class ResumableTracker:
         if bid in self._bounds:
             self._dormant.pop(bid, None)
             return
-        at = self._nodes[node] if node is not None else None
-        b = _Boundary(bid, at, tuple(needs))
-        self._bounds[bid] = b
-        if at is not None:
-            if at.bounds is None:
-                at.bounds = set()
-            at.bounds.add(b)
-        self._watch(b, b.needs)
-        for tier in self.tiers:
-            b.true[tier] = False
-            self._settle(b, tier)
-        self._maybe_dormant(b)
+        at = self._nodes[node] if node is not None else NONE
+        _check((bid, *needs))
+        row = self._new_row(bid, _BOUND, at, needs)
+        self._bounds[bid] = row
+        for t in range(len(self.tiers)):
+            self._settle(row, t)
+        self._maybe_dormant(row)
 
-    def _watch(self, item: _Node | _Boundary, entries: Sequence[bytes]) -> None:
-        """Follow `entries` for `item`, counting those each tier lacks now."""
-        by_entry = self._by_entry
+    def _watch(self, row: int, entries: Sequence[bytes]) -> None:
+        """Follow `entries` for `row`, counting those each tier lacks now."""
+        heads = self._heads
         for e in entries:
-            watchers = by_entry.get(e)
-            if watchers is None:
-                by_entry[e] = item
-            elif isinstance(watchers, list):
-                watchers.append(item)
+            if self._link_free:
+                link = self._link_free.pop()
+                self._link_row[link] = row
+                self._link_next[link] = heads.get(e, NONE)
             else:
-                by_entry[e] = [watchers, item]
-        for tier in self.tiers:
-            item.missing[tier] = sum(not self._present(tier, e) for e in entries)
+                link = len(self._link_row)
+                self._link_row.append(row)
+                self._link_next.append(heads.get(e, NONE))
+            heads[e] = link
+        for t, tier in enumerate(self.tiers):
+            self._missing[t][row] = sum(not self._present(tier, e) for e in entries)
+
+    def _unwatch(self, row: int, entries: Iterable[bytes]) -> None:
+        heads, link_row, link_next = self._heads, self._link_row, self._link_next
+        for e in entries:
+            before, link = NONE, heads.get(e, NONE)
+            while link != NONE and link_row[link] != row:
+                before, link = link, link_next[link]
+            if link == NONE:
+                continue  # an entry listed twice: its link went with the first
+            after = link_next[link]
+            self._link_free.append(link)
+            if before != NONE:
+                link_next[before] = after
+            elif after != NONE:
+                heads[e] = after
+            else:
+                del heads[e]
+                self._released.append(e)
+
+    def _watchers(self, entry: bytes) -> list[int]:
+        rows, link_row, link_next = [], self._link_row, self._link_next
+        link = self._heads.get(entry, NONE)
+        while link != NONE:
+            rows.append(link_row[link])
+            link = link_next[link]
+        return rows
 
     # ---- changes --------------------------------------------------------------------------
     def changed(self, tier: str, entry: bytes, present: bool) -> None:
         """`entry` arrived on (or left) `tier`. Told only of actual changes."""
+        t = self._tier[tier]
         step = -1 if present else 1
-        for item in self._watchers(entry):
-            if not self._live(item):
+        kind, missing = self._kind, self._missing[t]
+        for row in self._watchers(entry):
+            if kind[row] == _FREE:
                 continue  # forgotten by the dormant limit meanwhile
-            item.missing[tier] += step
-            if isinstance(item, _Boundary):
-                self._settle(item, tier)
-                self._maybe_dormant(item)
+            missing[row] += step
+            if kind[row] == _BOUND:
+                self._settle(row, t)
+                self._maybe_dormant(row)
             else:
-                self._set_prefix(item, tier)
-
-    def _watchers(self, entry: bytes) -> list[_Node | _Boundary]:
-        """What watches `entry`, as a list of its own (forgetting edits the map's)."""
-        watchers = self._by_entry.get(entry)
-        if watchers is None:
-            return []
-        return list(watchers) if isinstance(watchers, list) else [watchers]
+                self._set_prefix(row, t)
 
     def clear(self, tier: str) -> None:
         """Everything left `tier` at once (a cache reset): retract what it showed."""
-        for b in self._bounds.values():
-            b.missing[tier] = len(b.needs)
-        for n in self._nodes.values():
-            n.missing[tier] = len(n.entries)
-        for n in [n for n in self._nodes.values() if n.parent is None]:
-            self._set_prefix(n, tier)
-        for b in list(self._bounds.values()):  # the dormant limit may forget some
-            if self._live(b):
-                self._settle(b, tier)
-                self._maybe_dormant(b)
+        t = self._tier[tier]
+        kind, up, missing = self._kind, self._up, self._missing[t]
+        rows = range(len(kind))
+        for row in rows:
+            if kind[row] != _FREE:
+                missing[row] = self._size[row]
+        for row in [r for r in rows if kind[r] == _NODE and up[r] == NONE]:
+            self._set_prefix(row, t)
+        for row in [r for r in rows if kind[r] == _BOUND]:
+            if kind[row] == _BOUND:  # the dormant limit may forget some
+                self._settle(row, t)
+                self._maybe_dormant(row)
 
-    def _live(self, item: _Node | _Boundary) -> bool:
-        if isinstance(item, _Boundary):
-            return self._bounds.get(item.bid) is item
-        return self._nodes.get(item.key) is item
-
-    def _set_prefix(self, node: _Node, tier: str) -> None:
-        """Recompute prefix(node) on `tier` and pass a change down its subtree."""
+    def _set_prefix(self, node: int, t: int) -> None:
+        """Recompute prefix(node) on tier `t` and pass a change down its subtree."""
+        kind, up, missing, on = self._kind, self._up, self._missing[t], self._on[t]
         stack = [node]
         while stack:
             n = stack.pop()
-            up = n.parent
-            now = n.missing[tier] == 0 and (up is None or up.prefix[tier])
-            if now == n.prefix[tier]:
+            if kind[n] != _NODE:
+                continue  # forgotten meanwhile, by the dormant limit
+            parent = up[n]
+            now = missing[n] == 0 and (parent == NONE or on[parent] == 1)
+            if now == on[n]:
                 continue
-            n.prefix[tier] = now
-            for b in list(n.bounds or ()):  # the dormant limit may forget some
-                if self._live(b):
-                    self._settle(b, tier)
-                    self._maybe_dormant(b)
-            stack.extend(n.children or ())
+            on[n] = now
+            for kid in self._kids(n):  # boundaries now; child nodes after them
+                if kind[kid] == _NODE:
+                    stack.append(kid)
+                elif kind[kid] == _BOUND:  # else forgotten by the dormant limit meanwhile
+                    self._settle(kid, t)
+                    self._maybe_dormant(kid)
 
-    def _settle(self, b: _Boundary, tier: str) -> None:
-        now = b.missing[tier] == 0 and (b.node is None or b.node.prefix[tier])
-        if now == b.true[tier]:
+    def _settle(self, b: int, t: int) -> None:
+        node, on = self._up[b], self._on[t]
+        now = self._missing[t][b] == 0 and (node == NONE or on[node] == 1)
+        if now == on[b]:
             return
-        b.true[tier] = now
-        if now and b.node is not None:  # the chain's blocks before the boundary's own
-            self._cover(b.node, tier, 1)
-        self._show(tier, b.needs, now)
-        if not now and b.node is not None:
-            self._cover(b.node, tier, -1)
+        on[b] = now
+        if now and node != NONE:  # the chain's blocks before the boundary's own
+            self._add_cover(node, t, 1)
+        self._show(t, _split(self._entries[b]), now)
+        if not now and node != NONE:
+            self._add_cover(node, t, -1)
 
-    def _cover(self, node: _Node | None, tier: str, step: int) -> None:
+    def _add_cover(self, node: int, t: int, step: int) -> None:
         """Add `step` to node's cover; a node that becomes covered (or stops) announces
         (or retracts) its entries and tells its parent, and so on up. Announcements go
         root first (each block's parent before it), retractions leaf first."""
+        cover, up = self._cover[t], self._up
         flipped = []
-        while node is not None:
-            before = node.cover[tier]
-            node.cover[tier] = before + step
-            if (before > 0) == (node.cover[tier] > 0):
+        while node != NONE:
+            before = cover[node]
+            cover[node] = before + step
+            if (before > 0) == (before + step > 0):
                 break
             flipped.append(node)
-            node = node.parent
+            node = up[node]
         for n in reversed(flipped) if step > 0 else flipped:
-            self._show(tier, n.entries, step > 0)
+            self._show(t, _split(self._entries[n]), step > 0)
 
-    def _show(self, tier: str, entries: Iterable[bytes], on: bool) -> None:
+    def _show(self, t: int, entries: Iterable[bytes], on: bool) -> None:
+        shown, tier = self._shown[t], self.tiers[t]
         for e in entries:
-            k = (tier, e)
-            n = self._shown.get(k, 0) + (1 if on else -1)
+            n = shown.get(e, 0) + (1 if on else -1)
             if n:
-                self._shown[k] = n
+                shown[e] = n
             else:
-                del self._shown[k]
+                del shown[e]
             if (on and n == 1) or (not on and n == 0):
                 self._out.append((tier, on, e))
 
     # ---- forgetting ----------------------------------------------------------------------
-    def _maybe_dormant(self, b: _Boundary) -> None:
+    def _maybe_dormant(self, b: int) -> None:
         """A boundary true nowhere waits in the dormant list; too many: the oldest go."""
-        if any(b.true.values()):
-            self._dormant.pop(b.bid, None)
+        bid = self._key[b]
+        if any(on[b] for on in self._on):
+            self._dormant.pop(bid, None)
             return
-        self._dormant[b.bid] = None
-        self._dormant.move_to_end(b.bid)
+        self._dormant[bid] = None
+        self._dormant.move_to_end(bid)
         while len(self._dormant) > DORMANT_LIMIT:
             self.forget(next(iter(self._dormant)))
 
@@ -246,39 +344,17 @@ class ResumableTracker:
         if b is None:
             return
         self._dormant.pop(bid, None)
-        for tier in self.tiers:
-            if b.true[tier]:
-                b.missing[tier] += 1  # it counts as gone from every tier
-                self._settle(b, tier)
-        self._unwatch(b, b.needs)
-        node = b.node
-        if node is not None and node.bounds is not None:
-            node.bounds.discard(b)
-            node.bounds = node.bounds or None
-        while node is not None and not node.bounds and not node.children:
-            del self._nodes[node.key]
-            self._unwatch(node, node.entries)
-            up = node.parent
-            if up is not None and up.children is not None:
-                up.children.discard(node)
-                up.children = up.children or None
+        for t in range(len(self.tiers)):
+            if self._on[t][b]:
+                self._missing[t][b] += 1  # it counts as gone from every tier
+                self._settle(b, t)
+        node = self._up[b]
+        self._free_row(b)
+        while node != NONE and self._first[node] == NONE:
+            del self._nodes[self._key[node]]
+            up = self._up[node]
+            self._free_row(node)
             node = up
-
-    def _unwatch(self, item: _Node | _Boundary, entries: Iterable[bytes]) -> None:
-        by_entry = self._by_entry
-        for e in entries:
-            watchers = by_entry.get(e)
-            if isinstance(watchers, list):
-                watchers[:] = [w for w in watchers if w is not item]
-                if len(watchers) > 1:
-                    continue
-                if watchers:
-                    by_entry[e] = watchers[0]
-                    continue
-            elif watchers is not item:
-                continue  # not watched, or by another
-            del by_entry[e]
-            self._released.append(e)
 
     # ---- output ---------------------------------------------------------------------------
     def take(self) -> list[Announcement]:
@@ -304,24 +380,24 @@ class ResumableTracker:
         """Entries nothing tracked needs any more (their retractions, if any, are in the
         last `take`'s announcements), unless something registered them again since."""
         released, self._released = self._released, []
-        return [e for e in released if e not in self._by_entry]
+        return [e for e in released if e not in self._heads]
 
     def boundaries(self) -> set[bytes]:
         """The boundaries tracked (the dormant limit forgets the oldest of those true
         nowhere)."""
-        return set(self._bounds)
+        return set(self._bounds.keys())
 
     def has_chunk(self, key: bytes) -> bool:
         return key in self._nodes
 
     def shown(self, tier: str) -> set[bytes]:
         """Entries currently announced on `tier`."""
-        return {e for t, e in self._shown if t == tier}
+        return set(self._shown[self._tier[tier]].keys())
 
     def sizes(self) -> dict[str, int]:
         return {
             "nodes": len(self._nodes),
             "boundaries": len(self._bounds),
             "dormant": len(self._dormant),
-            "shown": len(self._shown),
+            "shown": sum(map(len, self._shown)),
         }

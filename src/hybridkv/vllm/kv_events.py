@@ -24,9 +24,11 @@ tracker watches the entry; it is dropped after the announcement that retracts it
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from vllm import envs
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_STORAGE,
@@ -43,6 +45,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
 from hybridkv.core.keys import group_key, token_bytes, tokens_from_bytes
+from hybridkv.core.keytable import RowBytes
 from hybridkv.core.layout import GroupKind, Layout
 from hybridkv.core.planner import Planner
 from hybridkv.core.resumable import ResumableTracker
@@ -59,15 +62,17 @@ log = logging.getLogger(__name__)
 MEDIA = {"cpu": MEDIUM_CPU, "disk": MEDIUM_STORAGE}
 OWNERSHIP = "hybridkv"
 LOCALITY = "LOCAL"
+_LOW64 = (1 << 64) - 1
 
 
 class _Payload(NamedTuple):
     """What a `BlockStored` says of one entry's blocks, kept compact: the blocks' hashes
     as vLLM made them, joined (`width` bytes each), and their token ids as uint32 bytes,
     4 bytes a token (tuples of vLLM's token ints kept every stored token's int object
-    alive: bench/lookup.py --events, docs/benchmarks.md). Kept as a plain tuple of
-    strings and numbers (`KVEvents._payloads`), which the garbage collector stops
-    tracking after one collection (never an instance of a tuple's subclass, as this)."""
+    alive: bench/lookup.py --events, docs/benchmarks.md). Kept pickled
+    (`KVEvents._payloads`): a map of byte strings is one the garbage collector never
+    walks, where one of tuples it walks whole in every full collection, an entry at a
+    time, on the scheduler's thread."""
 
     group: int
     hashes: bytes
@@ -79,11 +84,14 @@ class _Payload(NamedTuple):
     lora_name: str | None
     extra_keys: tuple[tuple[Any, ...] | None, ...] | None
 
-    def block_hashes(self) -> list[Any]:
+    def block_hashes(self, as_ints: bool) -> list[Any]:
+        """The blocks' hashes as events carry them: where `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`
+        asks for ints (`as_ints`, vLLM's default) what vLLM's `maybe_convert_block_hash`
+        makes of each (tests/test_kv_events.py holds them equal), without its reading the
+        environment once per hash."""
         w = self.width
-        return [
-            maybe_convert_block_hash(self.hashes[i : i + w]) for i in range(0, len(self.hashes), w)
-        ]
+        hashes = [self.hashes[i : i + w] for i in range(0, len(self.hashes), w)]
+        return [int.from_bytes(h, "big") & _LOW64 for h in hashes] if as_ints else hashes
 
     def last_hash(self) -> bytes:
         return self.hashes[-self.width :]
@@ -130,7 +138,7 @@ class KVEvents:
         self._state = [g for g, s in enumerate(layout.groups) if s.kind is GroupKind.STATE]
         tiers = ("cpu", "disk") if disk else ("cpu",)
         self.tracker = ResumableTracker(tiers, self._present)
-        self._payloads: dict[bytes, tuple] = {}  # entry -> its `_Payload`, as a plain tuple
+        self._payloads = RowBytes()  # entry -> its `_Payload`, pickled
         self.broken = False  # an error in the tracker turned the events off
 
     def _present(self, tier: str, key: bytes) -> bool:
@@ -231,7 +239,7 @@ class KVEvents:
             lora_name=lora.name if lora else None,
             extra_keys=tuple(extra_keys) if extra_keys is not None else None,
         )
-        self._payloads[entry] = tuple(payload)
+        self._payloads[entry] = pickle.dumps(tuple(payload), pickle.HIGHEST_PROTOCOL)
 
     # ---- out ------------------------------------------------------------------------------
     def take(self) -> list[KVCacheEvent]:
@@ -240,20 +248,21 @@ class KVEvents:
         if self.broken:
             return []
         events: list[KVCacheEvent] = []
+        as_ints = envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
         for a in self.tracker.take():
             medium = MEDIA[a.tier]
             known = [
-                (e, _Payload._make(p))
+                (e, _Payload._make(pickle.loads(p)))
                 for e in a.entries
                 if (p := self._payloads.get(e)) is not None
             ]
             if a.stored:
                 # by group (stable: each group's entries stay in chain order)
-                events += self._stored(sorted((p for _, p in known), key=_group), medium)
+                events += self._stored(sorted((p for _, p in known), key=_group), medium, as_ints)
                 continue
             by_group: dict[int, list[Any]] = {}
             for _, p in known:
-                by_group.setdefault(p.group, []).extend(p.block_hashes())
+                by_group.setdefault(p.group, []).extend(p.block_hashes(as_ints))
             for g, hashes in by_group.items():
                 events.append(
                     BlockRemoved(
@@ -265,10 +274,10 @@ class KVEvents:
                     )
                 )
         for entry in self.tracker.take_released():
-            self._payloads.pop(entry, None)
+            self._payloads.pop(entry)
         return events
 
-    def _stored(self, payloads: list[_Payload], medium: str) -> list[BlockStored]:
+    def _stored(self, payloads: list[_Payload], medium: str, as_ints: bool) -> list[BlockStored]:
         """One `BlockStored` per run of entries that continue each other (a chain's chunks
         in one group, each one's parent the last block of the one before), as vLLM's
         block pool sends a request's new blocks."""
@@ -283,7 +292,7 @@ class KVEvents:
                 == (last.group, last.block_size, last.lora_name)
                 and p.parent == last.last_hash()
             ):
-                hashes = p.block_hashes()
+                hashes = p.block_hashes(as_ints)
                 e.block_hashes.extend(hashes)
                 e.token_ids.extend(tokens_from_bytes(p.tokens))
                 if e.extra_keys is not None or p.extra_keys is not None:
@@ -292,7 +301,7 @@ class KVEvents:
             else:
                 events.append(
                     BlockStored(
-                        block_hashes=p.block_hashes(),
+                        block_hashes=p.block_hashes(as_ints),
                         parent_block_hash=(
                             maybe_convert_block_hash(p.parent) if p.parent is not None else None
                         ),
