@@ -13,6 +13,9 @@ at a million entries each the first full collection after the fills walks two st
 objects, and which stream's step it lands in says nothing about the change.
 
     .venv/bin/python bench/paired_lookup.py --before /tmp/base/src --entries 100000
+
+`--events-cost`: no "before"; this tree's stream with vLLM's KV cache events off against
+the same stream with them on (what turning them on costs a step).
 """
 
 from __future__ import annotations
@@ -54,21 +57,33 @@ def percentiles(times: list[float]) -> tuple[float, float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--before", type=Path, required=True, help="the src directory of 'before'")
+    p.add_argument("--before", type=Path, help="the src directory of 'before'")
     p.add_argument("--entries", type=int, default=100000)
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--events", action="store_true", help="both with vLLM's KV cache events on")
+    p.add_argument(
+        "--events-cost", action="store_true", help="events off against on, both this tree"
+    )
     args = p.parse_args()
+    if (args.before is None) != args.events_cost:
+        p.error("give --before or --events-cost (one of them)")
     with tempfile.TemporaryDirectory() as tmp:
-        before_tree(args.before.resolve(), Path(tmp))
         sys.path[:0] = [tmp, str(BENCH)]
         import lookup
-        import lookup_before
 
-        streams = {
-            "before": lookup_before.Serving(args.entries, events=args.events),
-            "after": lookup.Serving(args.entries, events=args.events),
-        }
+        if args.events_cost:
+            streams = {
+                "off": lookup.Serving(args.entries),
+                "on": lookup.Serving(args.entries, events=True),
+            }
+        else:
+            before_tree(args.before.resolve(), Path(tmp))
+            import lookup_before
+
+            streams = {
+                "before": lookup_before.Serving(args.entries, events=args.events),
+                "after": lookup.Serving(args.entries, events=args.events),
+            }
         gc.collect()
         gc.freeze()  # as bench/lookup.py does: what start-up allocated is not walked
         for stream in streams.values():
@@ -96,13 +111,15 @@ def main() -> None:
                     uncollected[name].append(secs)
         gc.callbacks.remove(count)
     events = ", KV cache events on" if args.events else ""
+    events = ", KV cache events off and on" if args.events_cost else events
+    first, second = names
     print(f"{args.entries} entries, {args.steps} steps each, interleaved{events}")
     for name, stream in streams.items():
         evictions = stream.side.index.stats.cpu_evictions
         hit = (stream.hit_tokens - hits[name]) / args.steps
         print(f"  {name:7} evictions {evictions}, hit tokens per step {hit:.1f}")
     for label, times in (("step", steps), ("step without chain keys", without)):
-        b, a = percentiles(times["before"]), percentiles(times["after"])
+        b, a = percentiles(times[first]), percentiles(times[second])
         shown = "  ".join(
             f"{q} {x:.3f} -> {y:.3f} ms ({y / x:.2f})"
             for q, x, y in zip(("p50", "p99", "max"), b, a, strict=True)
@@ -111,8 +128,8 @@ def main() -> None:
     fell = {name: args.steps - len(times) for name, times in uncollected.items()}
     longest = {name: max(times, default=0.0) * 1e3 for name, times in uncollected.items()}
     print(
-        f"  steps a collection fell in: before {fell['before']}, after {fell['after']}; "
-        f"max of the others {longest['before']:.3f} -> {longest['after']:.3f} ms"
+        f"  steps a collection fell in: {first} {fell[first]}, {second} {fell[second]}; "
+        f"max of the others {longest[first]:.3f} -> {longest[second]:.3f} ms"
     )
 
 
