@@ -38,7 +38,6 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
-    maybe_convert_block_hash,
     resolve_block_hashes,
     to_event_extra_keys,
 )
@@ -65,6 +64,14 @@ LOCALITY = "LOCAL"
 _LOW64 = (1 << 64) - 1
 
 
+def event_hash(block_hash: bytes, as_ints: bool) -> Any:
+    """A block's hash as events carry it: where `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`
+    asks for ints (`as_ints`, vLLM's default) what vLLM's `maybe_convert_block_hash`
+    makes of it (tests/test_kv_events.py holds them equal), without its reading the
+    environment at every call (once per step here)."""
+    return int.from_bytes(block_hash, "big") & _LOW64 if as_ints else block_hash
+
+
 class _Payload(NamedTuple):
     """What a `BlockStored` says of one entry's blocks, kept compact: the blocks' hashes
     as vLLM made them, joined (`width` bytes each), and their token ids as uint32 bytes,
@@ -85,13 +92,8 @@ class _Payload(NamedTuple):
     extra_keys: tuple[tuple[Any, ...] | None, ...] | None
 
     def block_hashes(self, as_ints: bool) -> list[Any]:
-        """The blocks' hashes as events carry them: where `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`
-        asks for ints (`as_ints`, vLLM's default) what vLLM's `maybe_convert_block_hash`
-        makes of each (tests/test_kv_events.py holds them equal), without its reading the
-        environment once per hash."""
         w = self.width
-        hashes = [self.hashes[i : i + w] for i in range(0, len(self.hashes), w)]
-        return [int.from_bytes(h, "big") & _LOW64 for h in hashes] if as_ints else hashes
+        return [event_hash(self.hashes[i : i + w], as_ints) for i in range(0, len(self.hashes), w)]
 
     def last_hash(self) -> bytes:
         return self.hashes[-self.width :]
@@ -303,7 +305,7 @@ class KVEvents:
                     BlockStored(
                         block_hashes=p.block_hashes(as_ints),
                         parent_block_hash=(
-                            maybe_convert_block_hash(p.parent) if p.parent is not None else None
+                            event_hash(p.parent, as_ints) if p.parent is not None else None
                         ),
                         token_ids=tokens_from_bytes(p.tokens),
                         block_size=p.block_size,
