@@ -10,7 +10,8 @@ by tests/serving.py). Closed-loop clients, seeded, pick among:
   turn       a conversation's next turn: previous prompt + its output + new text
   abort      a request abandoned mid-flight (a stream closed or a task cancelled)
 and every so often a burst of many requests at once. Each interval records requests,
-errors, aborts, latency, the server's RSS (all its processes), vLLM's preemptions,
+errors, aborts, latency, the server's RSS (all its processes) and the host memory hybridkv's
+workers keep resident for entries (`vllm:hybridkv_host_memory_bytes`), vLLM's preemptions,
 repeats whose output differs from their first (`Soak.check_repeat`) and hybridkv's
 `hybridkv stats` log line (held entries, hit rate); JSON goes to bench/results/soak.json,
 the server log beside it.
@@ -257,6 +258,8 @@ class Soak:
         row["preemptions_total"] = metrics.get("vllm:num_preemptions_total")
         row["running"] = metrics.get("vllm:num_requests_running")
         row["waiting"] = metrics.get("vllm:num_requests_waiting")
+        host = metrics.get("vllm:hybridkv_host_memory_bytes")  # the workers' entry slabs
+        row["host_pool_mib"] = round(host / serving.MiB, 1) if host is not None else None
         row["hybridkv"] = self.last_stats
         self.intervals.append(row)
         print(format_row(row, self.intervals), flush=True)
@@ -312,7 +315,7 @@ IDLE_PROMPT = list(range(1, 9))  # shorter than any model's chunk
 
 HEADER = (
     f"{'t s':>7}{'ok':>6}{'err':>5}{'abort':>6}{'p50 s':>7}{'cached%':>8}{'hkv hit%':>9}"
-    f"{'held':>6}{'entries':>8}{'RSS MiB':>9}{'preempt':>8}{'mism':>5}"
+    f"{'held':>6}{'entries':>8}{'RSS MiB':>9}{'pool MiB':>9}{'preempt':>8}{'mism':>5}"
 )
 
 
@@ -340,7 +343,8 @@ def format_row(row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"{row['t_s']:7.0f}{row['ok']:6}{row['errors']:5}{row['aborted']:6}"
         f"{_num(row['p50_latency_s'], 7, 2)}{cached:8.1f}{_num(hr, 9, 1)}"
         f"{_num((stats or {}).get('held_entries'), 6, 0)}{_num(cpu_entries(stats), 8, 0)}"
-        f"{row['rss_mib']:9.0f}{_num(row['preemptions_total'], 8, 0)}"
+        f"{row['rss_mib']:9.0f}{_num(row['host_pool_mib'], 9, 0)}"
+        f"{_num(row['preemptions_total'], 8, 0)}"
         f"{row['repeat_mismatches']:5}"
     )
 
@@ -361,6 +365,8 @@ def totals(intervals: list[dict[str, Any]]) -> dict[str, Any]:
         out["rss_mib_first"], out["rss_mib_last"], out["rss_mib_max"] = rss[0], rss[-1], max(rss)
         first, last = sampled[0]["rss_mib_by_process"], sampled[-1]["rss_mib_by_process"]
         out["rss_mib_by_process"] = {k: (first.get(k), v) for k, v in last.items()}
+        pool = [r["host_pool_mib"] for r in sampled]
+        out["host_pool_mib_first"], out["host_pool_mib_last"] = pool[0], pool[-1]
     stats = [r["hybridkv"] for r in intervals if r["hybridkv"]]
     if stats:
         out["hybridkv_hit_rate_pct"] = hit_rate(None, stats[-1])
@@ -515,6 +521,10 @@ def print_summary(result: dict[str, Any]) -> None:
         *(
             (f"  {name} first / last", f"{a} / {b}")
             for name, (a, b) in t.get("rss_mib_by_process", {}).items()
+        ),
+        (
+            "  of it, the workers' entry slabs (host_memory_bytes) first / last",
+            f"{t.get('host_pool_mib_first', '-')} / {t.get('host_pool_mib_last', '-')}",
         ),
         ("repeats compared / mismatched", f"{t['repeats_compared']} / {t['repeat_mismatches']}"),
         (

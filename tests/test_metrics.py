@@ -315,6 +315,8 @@ def test_server_metrics_match_what_happened(model_dirs, tmp_path: Path) -> None:
         assert delta(m2, m1, hkv("loaded_bytes"), "cpu") == want
         assert delta(m2, m1, hkv("load_seconds") + "_count", "cpu") == 1
         assert m2[hkv("occupancy_bytes"), "cpu"] == m2[hkv("stored_bytes"), "cpu"]
+        # The CPU tier's entries live in the pool's slabs (which it keeps at their peak).
+        assert m2[hkv("host_memory_bytes"), "cpu"] >= m2[hkv("occupancy_bytes"), "cpu"] > 0
         assert m2[hkv("tier_up"), "cpu"] == m2[hkv("tier_up"), "disk"] == 1
 
         # Preemptions and clients that hang up.
@@ -343,6 +345,7 @@ def test_server_metrics_match_what_happened(model_dirs, tmp_path: Path) -> None:
         asyncio.run(_complete_all(srv, [tokens(20, seed=9)], max_tokens=2))
         m5 = scrape(url)
         assert m5[hkv("held_entries"), "cpu"] == 0
+        assert m5[hkv("host_memory_bytes"), "cpu"] >= m2[hkv("host_memory_bytes"), "cpu"]
         assert_none_negative(m5)
     finally:
         srv.stop()

@@ -41,6 +41,12 @@ class HostPool:
         self._slabs_of: dict[int, int] = {}  # slabs made for each entry size
         self.slab_count = 0
         self.reserved_bytes = 0  # bytes of all slabs
+        # Slots handed out now, and at most, by entry size. A free slot goes back on top of
+        # its size's list and is handed out first, so a slot never used was never touched:
+        # the slots touched are the most ever in use at once.
+        self._in_use: dict[int, int] = {}
+        self._peak: dict[int, int] = {}
+        self.touched_bytes = 0
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """A 1-D int8 host tensor of `nbytes` (pinned when the pool pins)."""
@@ -51,6 +57,10 @@ class HostPool:
             if not free:
                 self._grow(nbytes, free)
             slab, offset = free.pop()
+            n = self._in_use[nbytes] = self._in_use.get(nbytes, 0) + 1
+            if n > self._peak.get(nbytes, 0):
+                self._peak[nbytes] = n
+                self.touched_bytes += nbytes
         view = slab[offset : offset + nbytes]
         weakref.finalize(view, self._release, nbytes, slab, offset)
         return view
@@ -70,6 +80,13 @@ class HostPool:
     def _release(self, nbytes: int, slab: torch.Tensor, offset: int) -> None:
         with self._lock:
             self._free[nbytes].append((slab, offset))
+            self._in_use[nbytes] -= 1
+
+    @property
+    def resident_bytes(self) -> int:
+        """Host memory the pool keeps resident: every slab when pinned (pinning locks a
+        slab's pages as it is made), else the slots entries have touched."""
+        return self.reserved_bytes if self.pin else self.touched_bytes
 
     def free_slots(self, nbytes: int) -> int:
         with self._lock:

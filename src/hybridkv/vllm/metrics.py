@@ -113,6 +113,14 @@ METRICS: dict[str, tuple[type[PromMetric], str, str]] = {
         "cpu",
     ),
     "tier_up": (Gauge, "1 while the tier serves on every rank, 0 while it is down.", "each"),
+    "host_memory_bytes": (
+        Gauge,
+        "Host memory resident for entries, summed over tensor-parallel ranks: each "
+        "rank's pool holds the CPU tier's entries and those in flight (loads, queued "
+        "disk and Redis writes), and keeps what the most live entries at once touched "
+        "(pinned, its whole slabs) for reuse.",
+        "cpu",
+    ),
     "load_seconds": (
         Histogram,
         "Seconds a batch of loads took: cpu, a step's restores into the KV cache; disk "

@@ -664,6 +664,7 @@ class WorkerSide:
         gauges = {
             "occupancy_bytes": {name: s.bytes_used for name, s in tiers.items()},
             "tier_up": {t.name: int(t.up) for t in self.store.tiers},
+            "host_memory_bytes": {"cpu": self.store.pool.resident_bytes},
         }
         with self._lock:  # promotion threads add to these
             counters["loaded_bytes"] = dict(self.stats.read_bytes)
