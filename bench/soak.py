@@ -258,7 +258,7 @@ class Soak:
         row["preemptions_total"] = metrics.get("vllm:num_preemptions_total")
         row["running"] = metrics.get("vllm:num_requests_running")
         row["waiting"] = metrics.get("vllm:num_requests_waiting")
-        host = metrics.get("vllm:hybridkv_host_memory_bytes")  # the workers' entry slabs
+        host = metrics.get("vllm:hybridkv_host_memory_bytes")  # resident for entries
         row["host_pool_mib"] = round(host / serving.MiB, 1) if host is not None else None
         row["hybridkv"] = self.last_stats
         self.intervals.append(row)
@@ -523,7 +523,7 @@ def print_summary(result: dict[str, Any]) -> None:
             for name, (a, b) in t.get("rss_mib_by_process", {}).items()
         ),
         (
-            "  of it, the workers' entry slabs (host_memory_bytes) first / last",
+            "  of it, the workers' pools of entries (host_memory_bytes) first / last",
             f"{t.get('host_pool_mib_first', '-')} / {t.get('host_pool_mib_last', '-')}",
         ),
         ("repeats compared / mismatched", f"{t['repeats_compared']} / {t['repeat_mismatches']}"),
