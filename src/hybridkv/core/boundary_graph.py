@@ -38,48 +38,14 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Sequence
 from typing import Protocol
 
-from hybridkv._columns import Column
 from hybridkv.core.keys import KEY_BYTES
 from hybridkv.core.keytable import KeyTable, RowBytes
 from hybridkv.core.ledger import Ledger
+from hybridkv.core.rows import Rows
 
 KEY_WIDTH = KEY_BYTES + 2  # a group key (core/keys.py)
 NONE = -1  # no row
 NO_NEEDS = 0  # the segment of a boundary that needs nothing
-
-
-class Rows:
-    """Column storage with reusable row ids: the common part of `Boundaries` and
-    `Segments`. Each column is a native `Column` (src/hybridkv/_columns.c), which grows a
-    page at a time: `array.array` columns all reached their allocation's end on the same
-    new row and were copied whole (up to 2.4-3.7 ms for one row at 100,000 rows, 12-13 ms
-    at a million: `bench/lookup.py --row-growth`). A freed id is handed out again."""
-
-    COLUMNS: dict[str, str] = {}  # name -> Column kind
-
-    def __init__(self) -> None:
-        for name, kind in self.COLUMNS.items():
-            setattr(self, name, Column(kind))
-        self._free = Column("q")
-
-    def _new(self, *values: float) -> int:
-        """A row with the columns' values, in `COLUMNS` order."""
-        if self._free:
-            row = self._free.pop()
-            for name, value in zip(self.COLUMNS, values, strict=True):
-                getattr(self, name)[row] = value
-            return row
-        for name, value in zip(self.COLUMNS, values, strict=True):
-            getattr(self, name).append(value)
-        return len(getattr(self, next(iter(self.COLUMNS)))) - 1
-
-    def _release(self, row: int) -> None:
-        self._free.append(row)
-
-    def _reset(self) -> None:
-        for name in self.COLUMNS:
-            getattr(self, name).clear()
-        self._free.clear()
 
 
 class Segments(Rows):
@@ -94,16 +60,16 @@ class Segments(Rows):
         self.clear()
 
     def new(self, keys: bytes, up: int) -> int:
-        seg = self._new(up, 0)
+        seg = self.add_row(up, 0)
         self.keys[seg] = keys
         return seg
 
     def free(self, seg: int) -> None:
         del self.keys[seg]
-        self._release(seg)
+        self.free_row(seg)
 
     def clear(self) -> None:
-        self._reset()
+        self.clear_rows()
         self.keys.clear()
         self.new(b"", NONE)  # NO_NEEDS
 
@@ -195,7 +161,7 @@ class Boundaries(Rows):
         width = len(states[0])
         if any(len(key) != width for key in states):
             raise ValueError("a boundary's state keys have one length")
-        row = self._new(tokens, needs, own_bytes, used, seq, *(NONE,) * 4, *(0,) * 8)
+        row = self.add_row(tokens, needs, own_bytes, used, seq, *(NONE,) * 4, *(0,) * 8)
         self.states[row] = b"".join(states)
         if width != KEY_WIDTH:
             self._width[row] = width
@@ -204,10 +170,10 @@ class Boundaries(Rows):
     def free(self, row: int) -> None:
         del self.states[row]
         self._width.pop(row, None)
-        self._release(row)
+        self.free_row(row)
 
     def clear(self) -> None:
-        self._reset()
+        self.clear_rows()
         self.states.clear()
         self._width.clear()
 

@@ -24,6 +24,7 @@ import blake3
 from hybridkv._columns import Column
 from hybridkv.core.keytable import RowBytes
 from hybridkv.core.linked_keys import END, LinkedKeys
+from hybridkv.core.rows import Rows
 
 KEY_BYTES = 16
 _DOMAIN = b"hybridkv/chunk/v1"
@@ -235,8 +236,8 @@ class ChainMemo:
         self.nbytes = 0
         self._order = _Fingerprints()
         self._chains = RowBytes()  # row -> seed + keys
-        self._refs = Column("q")  # row -> fingerprints naming it (0: a free row)
-        self._free = Column("q")  # rows to hand out again
+        self._rows = Rows({"refs": "q"})  # row -> fingerprints naming it
+        self._refs = self._rows.refs
 
     def __len__(self) -> int:
         return len(self._order)
@@ -304,17 +305,13 @@ class ChainMemo:
 
     def _new_chain(self, joined: bytes) -> int:
         """A row for a chain nothing holds yet (counted once something does)."""
-        if self._free:
-            row = self._free.pop()
-        else:
-            row = len(self._refs)
-            self._refs.append(0)
+        row = self._rows.add_row(0)
         self._chains[row] = joined
         return row
 
     def _free_chain(self, row: int) -> None:
         del self._chains[row]
-        self._free.append(row)
+        self._rows.free_row(row)
 
     def _drop(self, slot: int) -> None:
         """A fingerprint leaves the memo."""

@@ -42,8 +42,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from hybridkv._columns import Column
 from hybridkv.core.keytable import KeyTable, RowBytes
+from hybridkv.core.rows import Rows
 
 # Boundaries restorable nowhere are kept (their entries may arrive later: a disk write
 # lands steps after the store) up to this many, the least recently registered dropped.
@@ -52,6 +52,16 @@ DORMANT_LIMIT = 4096
 NONE = -1  # no row: a root node's parent, a boundary that needs no chunk, a list's end
 _FREE, _NODE, _BOUND = 0, 1, 2  # what a row holds
 _KEY_BYTES = 23  # the most a KeyTable key holds
+_PER_ROW = {
+    "key": "k",
+    "kind": "b",
+    "up": "q",
+    "first": "q",
+    "next": "q",
+    "prev": "q",
+    "size": "q",
+}
+_PER_TIER = {"missing": "q", "on": "b", "cover": "q"}
 
 
 @dataclass(frozen=True)
@@ -90,26 +100,25 @@ class ResumableTracker:
         self._present = present
         self._nodes = KeyTable()  # chunk key -> its row
         self._bounds = KeyTable()  # boundary id -> its row
-        # per row
-        self._key = Column("k")  # the chunk key or boundary id
-        self._kind = Column("b")
-        self._up = Column("q")  # a node's parent node, a boundary's node, or NONE
-        self._first = Column("q")  # a node's first kid (child node or boundary)
-        self._next = Column("q")  # the next and previous kid of the same node
-        self._prev = Column("q")
+        # A row per node or boundary: the chunk key or boundary id, what it is, a node's
+        # parent node or a boundary's node (or NONE), a node's first kid (child node or
+        # boundary) and the next and previous kid of the same node, how many entries;
+        # per tier t, the entries absent, a node's prefix(n) or a boundary's truth, and a
+        # node's cover (true boundaries at it and covered children).
+        per_tier = {f"{c}{t}": k for t in range(len(self.tiers)) for c, k in _PER_TIER.items()}
+        self._rows = Rows({**_PER_ROW, **per_tier})
+        rows = self._rows
+        self._key, self._kind, self._up = rows.key, rows.kind, rows.up
+        self._first, self._next, self._prev = rows.first, rows.next, rows.prev
+        self._missing = [getattr(rows, f"missing{t}") for t in range(len(self.tiers))]
+        self._on = [getattr(rows, f"on{t}") for t in range(len(self.tiers))]
+        self._cover = [getattr(rows, f"cover{t}") for t in range(len(self.tiers))]
+        self._fresh = (0,) * len(per_tier)  # a new row's per-tier values
         self._entries = RowBytes()  # a node's full-attention entries, a boundary's needs
-        self._size = Column("q")  # how many entries
-        # per tier, per row: entries absent; a node's prefix(n) or a boundary's truth;
-        # a node's cover (true boundaries at it and covered children)
-        self._missing = [Column("q") for _ in self.tiers]
-        self._on = [Column("b") for _ in self.tiers]
-        self._cover = [Column("q") for _ in self.tiers]
-        self._free = Column("q")  # rows to hand out again
         # entry -> its first link; a link names one row watching the entry, and the next
         self._heads = KeyTable()
-        self._link_row = Column("q")
-        self._link_next = Column("q")
-        self._link_free = Column("q")
+        self._links = Rows({"row": "q", "next": "q"})
+        self._link_row, self._link_next = self._links.row, self._links.next
         self._shown = [KeyTable() for _ in self.tiers]  # entry -> boundaries announcing it
         self._dormant: OrderedDict[bytes, None] = OrderedDict()  # at most DORMANT_LIMIT
         self._out: list[tuple[str, bool, bytes]] = []
@@ -117,29 +126,14 @@ class ResumableTracker:
 
     # ---- rows -----------------------------------------------------------------------------
     def _new_row(self, key: bytes, kind: int, up: int, entries: Sequence[bytes]) -> int:
-        if self._free:
-            row = self._free.pop()
-        else:
-            row = len(self._kind)
-            for column in (self._kind, self._size, *self._on):
-                column.append(0)
-            for column in (self._up, self._first, self._next, self._prev):
-                column.append(NONE)
-            for column in (*self._missing, *self._cover):
-                column.append(0)
-            self._key.append(b"")
-        self._key[row], self._kind[row], self._up[row] = key, kind, up
-        self._first[row], self._prev[row] = NONE, NONE
-        self._entries[row], self._size[row] = _join(entries), len(entries)
-        if up != NONE:  # first among its parent's kids
-            after = self._first[up]
-            self._next[row], self._first[up] = after, row
+        """A row, first among its parent's kids, watching `entries`."""
+        after = self._first[up] if up != NONE else NONE
+        row = self._rows.add_row(key, kind, up, NONE, after, NONE, len(entries), *self._fresh)
+        if up != NONE:
+            self._first[up] = row
             if after != NONE:
                 self._prev[after] = row
-        else:
-            self._next[row] = NONE
-        for t in range(len(self.tiers)):
-            self._on[t][row], self._cover[t][row] = 0, 0
+        self._entries[row] = _join(entries)
         self._watch(row, entries)
         return row
 
@@ -154,7 +148,7 @@ class ResumableTracker:
         self._unwatch(row, _split(self._entries[row]))
         del self._entries[row]
         self._kind[row] = _FREE
-        self._free.append(row)
+        self._rows.free_row(row)
 
     def _kids(self, row: int) -> list[int]:
         kids, nxt = [], self._next
@@ -197,15 +191,7 @@ class ResumableTracker:
         """Follow `entries` for `row`, counting those each tier lacks now."""
         heads = self._heads
         for e in entries:
-            if self._link_free:
-                link = self._link_free.pop()
-                self._link_row[link] = row
-                self._link_next[link] = heads.get(e, NONE)
-            else:
-                link = len(self._link_row)
-                self._link_row.append(row)
-                self._link_next.append(heads.get(e, NONE))
-            heads[e] = link
+            heads[e] = self._links.add_row(row, heads.get(e, NONE))
         for t, tier in enumerate(self.tiers):
             self._missing[t][row] = sum(not self._present(tier, e) for e in entries)
 
@@ -218,7 +204,7 @@ class ResumableTracker:
             if link == NONE:
                 continue  # an entry listed twice: its link went with the first
             after = link_next[link]
-            self._link_free.append(link)
+            self._links.free_row(link)
             if before != NONE:
                 link_next[before] = after
             elif after != NONE:
@@ -258,7 +244,7 @@ class ResumableTracker:
         rows = range(len(kind))
         for row in rows:
             if kind[row] != _FREE:
-                missing[row] = self._size[row]
+                missing[row] = self._rows.size[row]
         for row in [r for r in rows if kind[r] == _NODE and up[r] == NONE]:
             self._set_prefix(row, t)
         for row in [r for r in rows if kind[r] == _BOUND]:
