@@ -187,13 +187,12 @@ def test_kernel_split_blocks_view_as_one_page():
         assert b.shape == (NB, STRIDE) and b.stride() == (STRIDE, 1)
         assert torch.equal(a, b)
         assert b.data_ptr() == split.page(j, 0, 1).data_ptr()
-    # The split view dedupes with the other groups' views of the same bytes.
+    # The split view dedupes with the other groups' views of the same bytes; its entries
+    # order each page as an unsplit engine holds it (tests/test_canonical_vllm.py), and
+    # a round trip through the same split restores the pages.
     kv = build_canonical(split.kv_caches, split.group_layers, NB)
     assert len(kv.tensors) == LAYERS
-    ids = [11, 0, 4]
-    assert torch.equal(gather(kv, 0, ids), gather(kv, 1, ids))
-    kv_plain = build_canonical(plain.kv_caches, plain.group_layers, NB)
-    assert torch.equal(gather(kv, 0, ids), gather(kv_plain, 0, ids))
+    assert kv.groups[0][0].pieces is not None and kv.groups[1][0].pieces is None
     scatter(kv, 0, gather(kv, 0, [1, 2]), [1, 0], [9, 10])
     assert torch.equal(split.page(0, 9, STRIDE), split.page(0, 2, STRIDE))
     assert torch.equal(split.page(1, 10, STRIDE), split.page(1, 1, STRIDE))
@@ -219,7 +218,7 @@ def test_views_that_cannot_be_paged_are_rejected():
     as_split = buf.view(2 * NB, 2, 32)
     with pytest.raises(ValueError, match="adjacent"):
         canonical_view(as_split[:, 0, :], NB, 64)  # kernel blocks interleaved with others
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match="dense"):
         canonical_view(buf.view(NB, 2, 64)[:, :, 0], NB, 2)
 
 

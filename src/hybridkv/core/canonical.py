@@ -12,8 +12,15 @@ belongs to one group at a time). Views are deduplicated by (address, block strid
 aliased region is one tensor with several group references.
 
 A stored entry of a group holds its blocks layer-major: for each of the group's layers in
-order, `n_blocks * page_bytes` bytes. Each layer's part is then one contiguous
-`(n_blocks, page)` tensor, which `index_select(..., out=)` fills in a single call.
+order, `n_blocks * page_bytes` bytes, each page in the physical order of vLLM's layout
+(`kv_cache_layout`, part of the layout's identity). A page need not be a contiguous
+tensor, only dense: vLLM's GPU default (LBNHC) views `[N, H, C]` bytes as `[H, N, C]`.
+
+A kernel may split a block into k smaller ones. Where heads come before tokens in a page
+(LBHNC), the k pieces hold `[H, N/k, C]` each, not the `[H, N, C]` of an unsplit engine
+with the same layout: such a page is copied in `H * k` pieces (`LayerRef.pieces`) so an
+entry's bytes never depend on the kernel's block size, which differs between attention
+backends of replicas sharing a tier while the keys cannot tell them apart.
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ class LayerRef:
     layer_name: str
     tensor_idx: int
     page_bytes: int
+    # (offset in the engine's page, offset in the entry's page, bytes) per piece of a
+    # page whose kernel blocks hold it in another order (`page_pieces`); None: whole.
+    pieces: tuple[tuple[int, int, int], ...] | None = None
 
 
 @dataclass
@@ -48,19 +58,30 @@ class CanonicalKV:
         return self.tensors[0].shape[0] if self.tensors else 0
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill `t.numel()` consecutive elements, in any order."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def canonical_view(t: torch.Tensor, num_blocks: int, page_bytes: int) -> torch.Tensor:
     """int8 `(num_blocks, page_bytes)` view of a layer cache whose dim 0 indexes blocks.
 
     A kernel may split each block into k smaller ones (dim 0 = k * num_blocks); the k
-    pieces of a block are then adjacent and form one page.
+    pieces of a block are then adjacent and form one page (`page_pieces` says in which
+    order).
     """
     if t.shape[0] % num_blocks:
         raise ValueError(f"cache dim 0 ({t.shape[0]}) is not a multiple of {num_blocks} blocks")
     split = t.shape[0] // num_blocks
     esize = t.element_size()
     inner = t[0]
-    if not inner.is_contiguous():
-        raise ValueError("a block's page must be contiguous in memory")
+    if not _dense(inner):
+        raise ValueError("a block's page must be dense in memory")
     if split > 1 and t.stride(0) != inner.numel():
         raise ValueError("kernel blocks of one block are not adjacent")
     stride = t.stride(0) * esize * split
@@ -71,6 +92,32 @@ def canonical_view(t: torch.Tensor, num_blocks: int, page_bytes: int) -> torch.T
         t.untyped_storage(), t.storage_offset() * esize, (num_blocks, page_bytes), (stride, 1)
     )
     return base
+
+
+def page_pieces(t: torch.Tensor, num_blocks: int) -> tuple[tuple[int, int, int], ...] | None:
+    """Where a block's bytes go in its entry when a kernel splits it into k blocks whose
+    pages put heads before tokens: `t` is vLLM's `[k * num_blocks, H, N/k, C]` view, a
+    kernel block `[H, N/k, C]` in memory, an unsplit page `[H, N, C]`. Each (head, kernel
+    block) row of `N/k` tokens is one piece: (offset in the engine's page, offset in the
+    entry's page, bytes). None when the page is the same bytes either way (no split,
+    tokens before heads, one head, or a view of another shape)."""
+    split = t.shape[0] // num_blocks
+    if split == 1 or t.dim() != 4:
+        return None
+    _, heads, tokens, content = t.shape
+    s_heads, s_tokens = t.stride(1), t.stride(2)
+    if heads == 1 or s_heads < s_tokens:
+        return None  # [N/k, H, C]: the k pieces in a row are [N, H, C]
+    if t.stride(3) != 1 or s_tokens != content or s_heads < tokens * content:
+        raise ValueError("a kernel block's page is not [heads, tokens, content] in memory")
+    row = tokens * content * t.element_size()  # one head's tokens of one kernel block
+    kernel = t.stride(0) * t.element_size()
+    head = s_heads * t.element_size()
+    return tuple(
+        (j * kernel + h * head, (h * split + j) * row, row)
+        for h in range(heads)
+        for j in range(split)
+    )
 
 
 def build_canonical(
@@ -94,7 +141,10 @@ def build_canonical(
                 tensors.append(view)
             elif view.shape[1] > tensors[idx].shape[1]:
                 tensors[idx] = view  # keep the widest page over an aliased region
-            refs.append(LayerRef(name, idx, page))
+            pieces = page_pieces(t, num_blocks)
+            if pieces is not None and sum(n for _, _, n in pieces) != page:
+                raise ValueError(f"{name}: kernel blocks hold {page} page bytes in other pieces")
+            refs.append(LayerRef(name, idx, page, pieces))
         groups.append(refs)
     return CanonicalKV(tensors, groups)
 
@@ -144,5 +194,17 @@ def row_table(
     stride = np.array([v.stride(0) for v in views], dtype=np.int64)[:, None]
     engine = base + ids * stride
     entry = ptr + n * (np.cumsum(page, axis=0) - page) + slot * page
+    if any(r.pieces for r in refs):  # a row per piece of each such page
+        layers = []
+        for r, eng, ent, size in zip(refs, engine, entry, page[:, 0], strict=True):
+            at = np.array(r.pieces or [(0, 0, size)], dtype=np.int64)
+            layers.append(
+                np.stack(
+                    np.broadcast_arrays(eng[:, None] + at[:, 0], ent[:, None] + at[:, 1], at[:, 2]),
+                    axis=-1,
+                ).reshape(-1, 3)
+            )
+        table = np.concatenate(layers)
+        return table if to_engine else table[:, [1, 0, 2]]
     dst, src = (engine, entry) if to_engine else (entry, engine)
     return np.stack((dst, src, np.broadcast_to(page, engine.shape)), axis=-1).reshape(-1, 3)
