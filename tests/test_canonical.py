@@ -263,3 +263,11 @@ def test_a_gpu_batch_is_cut_into_launches_in_order_and_within_the_limit(sizes):
     # As few launches as that allows: no launch could have taken the next copy too.
     for p, q in pairwise(parts):
         assert sum(sizes[i] for i in p) + sizes[q[0]] > copy_engine.LAUNCH_BYTES
+
+
+def test_caches_on_another_device_are_refused_at_registration():
+    """The CPU path would copy device addresses with memcpy (a crash, not an error)."""
+    meta = torch.empty((NB, STRIDE), dtype=torch.int8, device="meta")
+    kv = CanonicalKV([meta], [[]])
+    with pytest.raises(ValueError, match="meta"):
+        CopyEngine(kv)

@@ -79,6 +79,8 @@ def test_bad_config_fails_at_start_naming_the_key(model_dirs, engine_factory, ex
     [
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
         ({"data_parallel_size": 2}, "data_parallel_size"),
+        ({"decode_context_parallel_size": 2}, "decode_context_parallel_size"),
+        ({"prefill_context_parallel_size": 2}, "prefill_context_parallel_size"),
         ({"distributed_executor_backend": "ray"}, "distributed_executor_backend"),
         ({"distributed_executor_backend": "external_launcher"}, "distributed_executor_backend"),
         ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, None),

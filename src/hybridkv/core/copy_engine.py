@@ -78,6 +78,9 @@ class CopyEngine:
         `cuda_rows.STORE_PROGRAMS` for stores, `LOAD_PROGRAMS` for loads."""
         self.kv = kv
         self.device = kv.tensors[0].device if kv.tensors else torch.device("cpu")
+        if self.device.type not in ("cpu", "cuda"):
+            # The CPU path would memcpy device addresses: a crash, not an error.
+            raise ValueError(f"hybridkv copies KV caches on CPU and CUDA, not {self.device}")
         self.cuda = self.device.type == "cuda"
         self.pool = pool or HostPool(pin=self.cuda)
         if self.cuda and not self.pool.pin:

@@ -113,6 +113,14 @@ def check_process_layout(vllm_config: VllmConfig) -> None:
             f"data_parallel_size: hybridkv is not tested with data parallelism yet "
             f"(got {pc.data_parallel_size}); run separate servers instead"
         )
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        # A manager block then spans block_size x ranks tokens over the ranks, while
+        # a chunk's key covers block_size: a hit would restore another span's KV.
+        if getattr(pc, name, 1) > 1:
+            raise ConfigError(
+                f"{name}: hybridkv does not support context parallelism "
+                f"(got {name}={getattr(pc, name)})"
+            )
     backend = pc.distributed_executor_backend
     if backend not in (None, "uni", "mp"):
         name = backend if isinstance(backend, str) else getattr(backend, "__name__", backend)
