@@ -546,3 +546,34 @@ def test_the_state_after_a_stop_token_is_kept_for_the_next_turn(model_dir, async
     assert (side.stats.hit_tokens > 0) == async_scheduling
     eng.check_entries()
     eng.check_settled()
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_a_failed_load_stores_what_its_recompute_computes(model_dir, async_scheduling):
+    """An entry the index holds goes missing on the worker: the hit that needs it fails,
+    vLLM recomputes the prefix, and that recompute stores the chunks again (before, the
+    load had marked them stored: the lost one stayed lost for every later request)."""
+    from hybridkv.core.keys import chunk_keys, group_key
+    from hybridkv.vllm.request_identity import key_context
+
+    eng = Engine(model_dir, async_scheduling, seed=13)
+    side = eng.side
+    a = eng.add("a", _prompt(40, 51), max_tokens=2)
+    eng.run()
+    prompt = list(a.prompt_token_ids)
+    first = group_key(chunk_keys(key_context(a, side.layout.fingerprint).seed, prompt, C)[0], 0)
+    assert first in eng.stored()
+    eng.worker.store.cpu.delete(first)  # lost behind the index's back
+    assert eng.sched.reset_prefix_cache()
+    eng.add("b", prompt, max_tokens=2)
+    eng.run()
+    assert eng.worker.stats.failed_loads == 1 and eng.first_start["b"] == 0
+    assert first in eng.stored() and side.index.in_cpu(first)
+    assert eng.sched.reset_prefix_cache()
+    hit = side.stats.hit_tokens
+    eng.add("c", prompt, max_tokens=2)
+    eng.run()
+    assert side.stats.hit_tokens - hit > 0 and eng.first_start["c"] > 0
+    eng.check_entries()
+    eng.check_settled(lossy=True)
+    assert side.index.stats.lost == 1 and eng.worker.stats.failed_loads == 1

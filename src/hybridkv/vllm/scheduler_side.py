@@ -109,6 +109,8 @@ class _RequestState:
     ctx: KeyContext | None
     keys: list[bytes] = field(default_factory=list)  # chain keys of full chunks seen so far
     stored_chunks: int = 0  # chunks [0, stored_chunks) are handled for attention stores
+    # `stored_chunks` before its load was planned: a failed load stores them again.
+    before_load: int = 0
     hit: tuple[int, int] | None = None  # (local tokens, boundary) of the reported hit
     hit_source: str = "cpu"  # the tier the reported hit came from
     promoted_from: str | None = None  # the tier this lookup's wait promotes from
@@ -512,7 +514,8 @@ class SchedulerSide:
         st.pins = []
         self.stats.hit_tokens += num_external
         _add(self.stats.hit_tokens_by_tier, st.hit_source, num_external)
-        # What was loaded is stored already.
+        # What was loaded is stored already (unless the load fails: `loads_failed`).
+        st.before_load = st.stored_chunks
         st.stored_chunks = max(st.stored_chunks, boundary // self.planner.chunk_tokens)
         self._observe(st, st.keys, [boundary])  # after a restart, disk entries are news
 
@@ -962,11 +965,13 @@ class SchedulerSide:
     def loads_failed(self, req_ids: Iterable[str]) -> None:
         """vLLM recomputes these requests: never offer them a hit again, so a fault that
         repeats cannot make a request loop (the workers report the entries they missed
-        as lost, which keeps other requests off them too)."""
+        as lost, which keeps other requests off them too), and store the chunks it
+        recomputes (the lost ones among them) as if nothing had been loaded."""
         for req_id in req_ids:
             st = self._reqs.get(req_id)
             if st is not None:
                 st.load_failed = True
+                st.stored_chunks = min(st.stored_chunks, st.before_load)
 
     def request_finished(self, request: Request) -> bool:
         """Forget the request and release its pins; whether vLLM must keep its blocks
