@@ -478,8 +478,9 @@ def test_a_fault_in_the_kv_events_turns_them_off_and_nothing_else(model_dir, mon
     eng.check_settled()
 
 
+@pytest.mark.parametrize("drop", [True, False], ids=["dropped", "delivered"])
 @pytest.mark.parametrize("async_scheduling", MODES)
-def test_abort_and_preemption_at_a_boundary_leave_nothing_behind(model_dir, async_scheduling):
+def test_abort_and_preemption_at_a_boundary_leave_nothing_behind(model_dir, async_scheduling, drop):
     """One request is aborted and one preempted just after the step that reaches a chunk
     boundary is scheduled, before the previous step's output is processed (where the
     engine core handles aborts). Under async scheduling the last token of that boundary's
@@ -487,7 +488,8 @@ def test_abort_and_preemption_at_a_boundary_leave_nothing_behind(model_dir, asyn
     one's is dropped and sampled again (as `reset_prefix_cache(reset_running_requests=
     True)` preempts). Nothing is stored under a key of tokens the state did not see,
     nothing stays staged or pinned, and the preempted request's boundaries are stored once
-    it has computed them again."""
+    it has computed them again. vLLM preempts for memory keeping the output in flight
+    (`drop` False), as hybridkv asks (`requires_kv_delivery`): the same holds."""
     import time
 
     from vllm.v1.request import RequestStatus
@@ -499,7 +501,7 @@ def test_abort_and_preemption_at_a_boundary_leave_nothing_behind(model_dir, asyn
 
     def preempt_y():
         sched.running.remove(y)
-        sched._preempt_request(y, time.monotonic(), drop_stale_output=True)
+        sched._preempt_request(y, time.monotonic(), drop_stale_output=drop)
 
     eng.interrupts = [
         (

@@ -171,6 +171,14 @@ def _guarded(default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[
 
 
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache, not a hand-off: a store a preemption overtakes is a later miss
+        (`WorkerSide.guard` keeps it from reading blocks handed on), so vLLM need not
+        drop a preempted request's output in flight and sample it again, as it does for
+        connectors that must deliver (the default for the `kv_both` role)."""
+        return False
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ):
