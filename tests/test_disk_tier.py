@@ -612,6 +612,52 @@ def test_delete_then_put_again_stores_the_new_entry(make_tier):
     assert tmp_files(tier.dir) == []
 
 
+@pytest.mark.parametrize("put_again", [False, True], ids=["deleted", "put_again"])
+def test_a_rescan_racing_an_unlink_keeps_no_ghost(make_tier, put_again):
+    """A rescan lists a deleted entry's file, then the writer unlinks it before the new
+    index is swapped in (the order forced by events, not by timing): the new index must
+    not hold it (a hit the scheduler plans and the read fails, a `put` skipped as
+    stored), unless the key was put again meanwhile."""
+    import threading
+
+    tier = make_tier(writers=1, rescan_seconds=1e9)
+    k = key(1)
+    put_all(tier, {k: payload(1, 4096)})
+    tier.take_changes()  # the journal watched, as the worker watches it
+    listed, unlinked = threading.Event(), threading.Event()
+    scan, unlink = tier._scan, tier._unlink
+
+    def scan_then_wait():
+        found = scan()
+        listed.set()
+        assert unlinked.wait(30)
+        if put_again:
+            assert tier.put(k, payload(2, 4096))
+        return found
+
+    def unlink_after_the_listing(keys):
+        assert listed.wait(30)
+        unlink(keys)
+        unlinked.set()
+
+    tier._scan, tier._unlink = scan_then_wait, unlink_after_the_listing
+    assert tier.delete(k)
+    rescan = threading.Thread(target=tier.rescan)
+    rescan.start()
+    rescan.join()
+    tier.flush()
+    assert tier.contains(k) == put_again
+    assert_index_matches_disk(tier)
+    changes = [present for changed, present in tier.take_changes() if changed == k]
+    assert changes[-1:] == [put_again]
+    if put_again:
+        assert_entry(tier.get(k), payload(2, 4096))
+    else:
+        assert tier.put(k, payload(3, 4096))  # stored again, not skipped as present
+        tier.flush()
+        assert_entry(tier.get(k), payload(3, 4096))
+
+
 def test_delete_of_a_stored_entry(make_tier):
     tier = make_tier()
     put_all(tier, {key(1): payload(1, 10), key(2): payload(2, 10)})

@@ -178,6 +178,11 @@ class _JournaledIndex(LruMap):
         if self.log is not None:
             self.log[key] = size
 
+    def log_gone(self, key: bytes) -> None:
+        """A file of a key not in the index was unlinked: a rescan under way must not
+        take it from what it listed before."""
+        self._log(key, None)
+
     def __setitem__(self, key: bytes, size: int) -> None:
         if key not in self:
             self._note(key, True)
@@ -697,6 +702,10 @@ class DiskTier(QueuedTier):
                 for key, _ in todo:
                     if self._unlinking[key] <= 0:
                         del self._unlinking[key]
+                    # A rescan may have listed the file before it went: its log says gone
+                    # (unless the key was put again since, whose rename waited for this).
+                    if key not in self._index:
+                        self._index.log_gone(key)
                 self._unlinked.notify_all()
 
     def _writer(self) -> None:
