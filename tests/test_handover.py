@@ -76,3 +76,17 @@ def test_a_step_with_synchronous_loads_counts_every_block_handed_over_as_another
     h = Handover([16])
     handed, foreign = h.take(output(new=[("n", ([1, 2],), 0)], sync_loads=True))
     assert handed == [] and sorted(foreign) == [1, 2]
+
+
+def test_blocks_the_step_zeroes_or_copies_into_are_handed_over():
+    """vLLM's Mamba manager may move a running request's checkpoint into a fresh block
+    that no table lists (`cow_block`), written by the step's copies before its forward;
+    a store in flight may still be reading that block."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+    h = Handover([16])
+    out = output()
+    out.new_block_ids_to_zero = [11]
+    out.kv_cache_block_copies = [KVCacheBlockCopy(3, 12)]  # block 3's state into 12
+    handed, foreign = h.take(out)
+    assert sorted(handed) == [11, 12] and foreign == []

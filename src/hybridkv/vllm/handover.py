@@ -22,7 +22,9 @@ stores in flight read (`WorkerSide.guard`).
 
 A block counts as handed over when it is new to its request: a scheduled new or resumed
 request's blocks past the tokens it has computed (those before are vLLM's prefix hits,
-read, never rewritten), a running request's new blocks, and the blocks vLLM allocates for
+read, never rewritten), a running request's new blocks, the blocks the step zeroes or
+copies into before its forward (in no table, for a Mamba copy-on-write), and the blocks
+vLLM allocates for
 an asynchronous load (`update_state_after_alloc`; those without a block hash, i.e. not
 prefix hits), whose request is scheduled only once the load is done. A load of another
 connector (MultiConnector) writes them outside any stream of this engine, as does any
@@ -75,6 +77,11 @@ class Handover:
                 # A resumed request's list is its whole table; a running one's, its new blocks.
                 resumed = req_id in cached.resumed_req_ids
                 handed += self._past(ids, cached.num_computed_tokens[i] if resumed else 0)
+        # Blocks the runner zeroes, or copies a block into, before the forward, whether or
+        # not a request's table lists them: vLLM's Mamba manager moves a running request's
+        # checkpoint to a block of no table (a copy-on-write `cow_block`).
+        handed += out.new_block_ids_to_zero or []
+        handed += [copy.dst_block_id for copy in out.kv_cache_block_copies or ()]
         foreign: list[int] = []
         for req_id, (blocks, ours) in self._admitted.items():
             if req_id not in out.num_scheduled_tokens:  # waits for a load; else counted above
