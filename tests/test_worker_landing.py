@@ -489,3 +489,26 @@ def test_the_newest_step_whose_stores_have_all_landed_is_reported(worker):
     held[2].land()
     ws.report()
     assert ws.landed_through() == 3
+
+
+def test_a_step_reported_before_its_stores_are_queued_has_not_landed(worker):
+    """With speculative decoding vLLM builds a step's worker report before it calls
+    `wait_for_save` (its `defer_finalize`): that step's stores are not even queued, so
+    a request they read must still be delayed."""
+    ws, _, held = worker
+    meta = store_meta((b"k1", 1))
+    meta.step = 1
+    ws.begin_step(meta)
+    ws.end_step(meta)
+    held[0].land()
+    ws.report()
+    assert ws.landed_through() == 1
+    meta = store_meta((b"k2", 2))
+    meta.step = 2
+    ws.begin_step(meta)
+    assert ws.landed_through() == 1  # reported here, before step 2's stores exist
+    ws.end_step(meta)
+    assert ws.landed_through() == 1  # queued, not landed
+    held[1].land()
+    ws.report()
+    assert ws.landed_through() == 2

@@ -154,6 +154,9 @@ class WorkerSide:
         self.sending = DelayedFree()
         self._guarded: HybridKVMetadata | None = None  # the last step `guard` saw
         self._step = 0  # the current step's `HybridKVMetadata.step`
+        # The newest step whose stores were queued (`end_step`): with speculative decoding
+        # vLLM reports a step (`build_connector_worker_meta`) before its `wait_for_save`.
+        self._saved = 0
         self._restores: list[_Restore] = []  # loads not reported yet, oldest first
         self.copies: CopyEngine | None = None
         self.epoch = 0
@@ -469,6 +472,7 @@ class WorkerSide:
         try:
             self.save(meta)
         finally:
+            self._saved = meta.step
             self.follow(meta.orders)
             self._land()
 
@@ -542,8 +546,9 @@ class WorkerSide:
 
     def landed_through(self) -> int:
         """The newest step whose stores have all landed (read their blocks) on this rank:
-        the scheduler side delays no finished request whose stores are all that old."""
-        return self._landing[0].step - 1 if self._landing else self._step
+        the scheduler side delays no finished request whose stores are all that old. A
+        step whose stores are not even queued yet has not landed."""
+        return self._landing[0].step - 1 if self._landing else self._saved
 
     @property
     def restoring(self) -> int:
