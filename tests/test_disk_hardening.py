@@ -162,6 +162,28 @@ def test_linked_fanout_directory_is_never_written_through(make_tier, tmp_path):
     assert tier.get(key(1)) is None
 
 
+def test_linked_fanout_directory_is_never_read_touched_or_unlinked_through(make_tier, tmp_path):
+    """A co-user of a shared directory swaps a fan-out directory (holding an entry the
+    index knows) for a link to another cache's: this tier's read, recency touch, delete
+    and rescan go nowhere through it."""
+    victim = make_tier(tmp_path / "private")
+    put_all(victim, {key(1): payload(2, NBYTES)})
+    theirs = victim.path_of(key(1))
+    stamp = theirs.stat().st_mtime_ns
+    tier = make_tier()
+    put_all(tier, {key(1): payload(1, NBYTES)})
+    fanout = tier.path_of(key(1)).parent
+    shutil.rmtree(fanout)
+    fanout.symlink_to(theirs.parent)
+    assert tier.get(key(1)) is None
+    assert theirs.stat().st_mtime_ns == stamp
+    tier.delete(key(1))
+    tier.flush()
+    tier.rescan()
+    assert theirs.exists() and theirs.stat().st_mtime_ns == stamp
+    assert_entry(victim.get(key(1)), payload(2, NBYTES))
+
+
 @pytest.mark.parametrize(
     "content",
     [b"[1, 2, 3]\n", b'"a string"', b"null", b"\xff\xfe garbage {", b"[" * 200_000, b""],

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from hybridkv.core.host_pool import HostPool
 from hybridkv.core.keys import KEY_BYTES, group_key, split_group_key
-from hybridkv.core.tiers.disk import STALE_TMP_SECONDS, DiskTier
+from hybridkv.core.tiers.disk import STALE_TMP_SECONDS, DiskTier, writer_host
 from hybridkv.core.tiers.entry_file import (
     FILE_VERSION,
     HEADER_BYTES,
@@ -42,7 +42,7 @@ FP = bytes(range(16))
 OTHER_FP = bytes(range(100, 116))
 DESC = {"model": "tiny", "groups": [{"kind": "full", "block_bytes": 1024}]}
 BIG = 1 << 30  # a budget that never evicts
-HOST = socket.gethostname().replace(".", "_")  # as DiskTier names its temporary files
+HOST = writer_host()  # as DiskTier names its temporary files
 PROPERTY = settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -308,6 +308,8 @@ def test_restart_orders_by_mtime_and_get_refreshes_it(make_tier):
         ("dead", 0, True),
         ("live", 0, False),
         ("other-host", 0, False),
+        ("other-namespace", 0, False),
+        ("other-namespace", 2 * STALE_TMP_SECONDS, True),
         ("other-host", 2 * STALE_TMP_SECONDS, True),
         ("live", 2 * STALE_TMP_SECONDS, True),
     ],
@@ -321,6 +323,8 @@ def test_startup_removes_leftovers_of_dead_writers(make_tier, name, age, removed
         "dead": (dead.pid, HOST),
         "live": (os.getppid(), HOST),
         "other-host": (dead.pid, HOST + "x"),
+        # this host's name in another PID namespace (a container on the host network)
+        "other-namespace": (dead.pid, socket.gethostname().replace(".", "_") + "_1"),
     }[name]
     stem = key(7).hex()
     tmp = layout_dir / stem[:2] / f".{stem}-0.{pid}.{host}.tmp"

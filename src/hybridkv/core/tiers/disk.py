@@ -61,6 +61,7 @@ from hybridkv.core.tiers.files import (
     dir_mode,
     make_dir,
     read_small,
+    real_parent,
 )
 from hybridkv.core.tiers.queued import QueuedTier, never_raises
 
@@ -78,6 +79,17 @@ _PARALLEL_READ_BYTES = 4 << 20
 _U64 = (1 << 64) - 1  # an inode number from its signed 64-bit value in `_written`
 # Tiers of this process still running: their temporary files are not leftovers.
 _live_tokens: set[str] = set()
+
+
+def writer_host() -> str:
+    """Who can judge a writer's pid: this host and PID namespace. Containers sharing the
+    host's network (its name) and a cache directory have PID namespaces of their own, where
+    a live writer's pid may be dead or another process's."""
+    try:
+        namespace = f"_{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        namespace = ""
+    return socket.gethostname().replace(".", "_") + namespace
 
 
 def _pid_alive(pid: int) -> bool:
@@ -141,11 +153,12 @@ def discard(path: str | os.PathLike, file_id: tuple[int, int] | None = None) -> 
     """Remove `path`; with `file_id` (st_dev, st_ino) only while it names that file (a
     writer may have renamed a new file over it meanwhile). Whether it was removed."""
     try:
-        if file_id is not None:
-            st = os.lstat(path)
-            if (st.st_dev, st.st_ino) != file_id:
-                return False
-        os.unlink(path)
+        with real_parent(path) as (dir_fd, name):
+            if file_id is not None:
+                st = os.lstat(name, dir_fd=dir_fd)
+                if (st.st_dev, st.st_ino) != file_id:
+                    return False
+            os.unlink(name, dir_fd=dir_fd)
         return True
     except OSError:
         return False
@@ -256,7 +269,7 @@ class DiskTier(QueuedTier):
             "fingerprint": fingerprint.hex(),
             "layout": layout_description,
         }
-        self._host = socket.gethostname().replace(".", "_")
+        self._host = writer_host()
         self._token = uuid.uuid4().hex[:8]
         _live_tokens.add(self._token)
         # key -> file bytes, least recently used first.
@@ -429,8 +442,7 @@ class DiskTier(QueuedTier):
                             kept[key] = (st.st_dev, st.st_ino)
                         else:
                             found.append((st.st_mtime_ns, key, st.st_size))
-                elif e.name.endswith(_TMP_SUFFIX) and self._is_leftover(e, now):
-                    os.unlink(e.path)
+                elif e.name.endswith(_TMP_SUFFIX) and self._is_leftover(e, now) and discard(e.path):
                     self.leftovers_removed += 1
             except (OSError, ValueError):
                 continue
@@ -475,9 +487,9 @@ class DiskTier(QueuedTier):
         self._readers.submit(scan)
 
     def _is_leftover(self, e: os.DirEntry, now: float) -> bool:
-        """A temporary file whose writer died: this host's with a dead pid, or with our own
-        pid (a restarted container reuses pids) but no live tier of this process behind
-        it, or any that is old."""
+        """A temporary file whose writer died: this host's (and PID namespace's:
+        `writer_host`) with a dead pid, or with our own pid (a restarted container reuses
+        pids) but no live tier of this process behind it, or any that is old."""
         parts = e.name.split(".")  # ".<stem>-<random>.<pid>-<tier token>.<host>.tmp"
         pid, _, token = parts[2].partition("-") if len(parts) == 5 else ("", "", "")
         if parts[3:4] == [self._host] and pid.isdigit():
@@ -545,8 +557,9 @@ class DiskTier(QueuedTier):
             self._stats.hits += 1
             if key in self._index:
                 self._index.move_to_end(key)
-        with contextlib.suppress(OSError):  # recency for other processes and restarts
-            os.utime(path, follow_symlinks=False)
+        # Recency for other processes and restarts.
+        with contextlib.suppress(OSError), real_parent(path) as (dir_fd, name):
+            os.utime(name, dir_fd=dir_fd, follow_symlinks=False)
         return entry
 
     @never_raises(lambda self, keys: [None] * len(keys))

@@ -12,6 +12,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -29,11 +31,32 @@ def dir_mode(file_mode: int) -> int:
     return file_mode | (file_mode & 0o444) >> 2 | (file_mode & 0o222) >> 1
 
 
+@contextmanager
+def real_parent(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
+    """A descriptor of `path`'s directory, opened without following a link, and `path`'s
+    name in it: whoever may write the directory above cannot redirect a read, touch or
+    unlink there by putting a link in the directory's place. NotRegularFile if a link
+    (or anything but a directory) holds the directory's name."""
+    path = Path(path)
+    try:
+        dir_fd = os.open(path.parent, DIR_FLAGS)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotRegularFile(e.errno, "its directory is not a real one", str(path)) from e
+        raise
+    try:
+        yield dir_fd, path.name
+    finally:
+        os.close(dir_fd)
+
+
 def open_regular(path: str | os.PathLike) -> tuple[int, os.stat_result]:
     """A read-only descriptor of the regular file at `path` and its stat; raises
-    NotRegularFile for anything else (a link is never followed), OSError if it cannot."""
+    NotRegularFile for anything else (a link is never followed, nor in place of its
+    directory: `real_parent`), OSError if it cannot."""
     try:
-        fd = os.open(path, _READ_FLAGS)
+        with real_parent(path) as (dir_fd, name):
+            fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:  # O_NOFOLLOW refused a link
             raise NotRegularFile(e.errno, "a symbolic link", str(path)) from e
