@@ -265,9 +265,14 @@ def test_a_gpu_batch_is_cut_into_launches_in_order_and_within_the_limit(sizes):
         assert sum(sizes[i] for i in p) + sizes[q[0]] > copy_engine.LAUNCH_BYTES
 
 
-def test_caches_on_another_device_are_refused_at_registration():
-    """The CPU path would copy device addresses with memcpy (a crash, not an error)."""
+def test_caches_on_another_device_are_refused_at_registration(monkeypatch):
+    """The CPU path would copy device addresses with memcpy (a crash, not an error); a
+    ROCm GPU (torch's "cuda") runs a kernel never run there."""
     meta = torch.empty((NB, STRIDE), dtype=torch.int8, device="meta")
     kv = CanonicalKV([meta], [[]])
     with pytest.raises(ValueError, match="meta"):
         CopyEngine(kv)
+    copy_engine.check_device(torch.device("cuda"))  # NVIDIA: accepted
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    with pytest.raises(ValueError, match="ROCm"):
+        copy_engine.check_device(torch.device("cuda"))

@@ -198,6 +198,14 @@ def test_dormant_boundaries_are_bounded(monkeypatch):
     sizes = w.tracker.sizes()
     assert sizes["boundaries"] == sizes["dormant"] == 3
     assert sizes["nodes"] == 3
+    # Stored again while still true nowhere (another request's store of the same prefix
+    # failed too): still dormant, now the newest, and the bound holds.
+    for i in range(10, 20):
+        node = w.chain((i,))
+        w.tracker.boundary(b"b%d" % i, node, (b"S%d" % i,))
+        w.tracker.boundary(b"b%d" % i, node, (b"S%d" % i,))
+    sizes = w.tracker.sizes()
+    assert sizes["boundaries"] == sizes["dormant"] == 3
 
 
 def test_a_burst_comes_out_as_one_announcement_per_tier():

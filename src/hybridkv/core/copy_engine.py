@@ -70,6 +70,16 @@ LANDED = Landing()
 LAUNCH_BYTES = 64 << 20
 
 
+def check_device(device: torch.device) -> None:
+    """Refuse caches where no copy path has run: another accelerator (the CPU path would
+    memcpy device addresses: a crash, not an error) or a ROCm GPU (torch calls it "cuda";
+    the Triton kernel has run on NVIDIA GPUs only)."""
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"hybridkv copies KV caches on CPU and CUDA, not {device}")
+    if device.type == "cuda" and torch.version.hip:
+        raise ValueError("hybridkv's GPU copies have run on NVIDIA GPUs only, not on ROCm")
+
+
 class CopyEngine:
     def __init__(
         self, kv: CanonicalKV, pool: HostPool | None = None, cuda_programs: int | None = None
@@ -78,9 +88,7 @@ class CopyEngine:
         `cuda_rows.STORE_PROGRAMS` for stores, `LOAD_PROGRAMS` for loads."""
         self.kv = kv
         self.device = kv.tensors[0].device if kv.tensors else torch.device("cpu")
-        if self.device.type not in ("cpu", "cuda"):
-            # The CPU path would memcpy device addresses: a crash, not an error.
-            raise ValueError(f"hybridkv copies KV caches on CPU and CUDA, not {self.device}")
+        check_device(self.device)
         self.cuda = self.device.type == "cuda"
         self.pool = pool or HostPool(pin=self.cuda)
         if self.cuda and not self.pool.pin:

@@ -177,7 +177,7 @@ class ResumableTracker:
         """A boundary a hit may resume at: `node` is the chunk it ends (registered), `needs`
         the other entries a hit there reads. Registering one again refreshes it."""
         if bid in self._bounds:
-            self._dormant.pop(bid, None)
+            self._maybe_dormant(self._bounds[bid])  # still true nowhere: the newest dormant
             return
         at = self._nodes[node] if node is not None else NONE
         _check((bid, *needs))
