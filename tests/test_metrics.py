@@ -443,3 +443,41 @@ def test_metrics_server_binds_loopback_unless_a_host_is_given(
         assert not_on is None or not _listens(not_on, config.metrics_port)
     finally:
         server.close()
+
+
+def test_a_lookup_is_counted_once_vllm_allocates_for_it():
+    """vLLM asks a waiting request's lookup again every step until it can allocate its
+    blocks (a full KV cache); the prompt's tokens are counted once, when it does, as
+    vLLM counts its own connector prefix-cache queries."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+    from hybridkv.core.index import StoreIndex
+    from hybridkv.core.layout import GroupKind, GroupSpec, Layout
+    from hybridkv.core.planner import Planner
+    from hybridkv.core.policy import CheckpointPolicy
+    from hybridkv.vllm.scheduler_side import SchedulerSide
+
+    groups = (
+        GroupSpec(GroupKind.FULL, 16, 64, ("attn",)),
+        GroupSpec(GroupKind.STATE, 16, 32, ("gdn",)),
+    )
+    planner = Planner(groups)
+    side = SchedulerSide(
+        Layout("t", groups),
+        planner,
+        CheckpointPolicy("prompt_and_end", 16),
+        StoreIndex(1 << 20, disk=False, recurrent=True),
+        enabled=True,
+        below=False,
+    )
+    req = Request("r", list(range(1, 200)), SamplingParams(max_tokens=1), None)
+    for _ in range(5):  # allocation fails: still waiting
+        assert side.num_new_matched_tokens(req, 0) == 0
+    assert (side.stats.lookups, side.stats.miss_tokens) == (0, 0)
+    side.after_alloc(req, KVCacheBlocks(([], [])), 0)
+    assert side.stats.lookups == 1 and side.stats.lookups_by_tier == {"none": 1}
+    assert (side.stats.queried_tokens, side.stats.miss_tokens) == (199, 199)
+    side.after_alloc(req, KVCacheBlocks(([], [])), 0)  # again after a load: not a lookup
+    assert side.stats.lookups == 1

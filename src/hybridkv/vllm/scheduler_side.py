@@ -120,6 +120,10 @@ class _RequestState:
     # Its newest decode-time state: pinned, in CPU memory only until it finishes.
     staged: list[bytes] = field(default_factory=list)
     load_failed: bool = False  # vLLM recomputes it: no more hits for it
+    # The latest answered lookup's figures (`_count_lookup`'s arguments), counted once
+    # vLLM allocates for the request: a request vLLM cannot allocate for yet asks again
+    # every step, and counting each answer would count its prompt again and again.
+    answer: tuple[int, int, int, int, str] | None = None
     tagged: list[_Tagged] = field(default_factory=list)  # gathered, not named yet
     drafted: bool = False  # has had speculative tokens: keyed on known tokens only
     # Attention chunks it stored, pinned until it finishes (with recurrent groups: they
@@ -328,26 +332,27 @@ class SchedulerSide:
             st.waiting_since = None
             st.hit = (local_tokens, boundary)
             st.hit_source, st.promoted_from = st.promoted_from or "cpu", None
-            self._answered(request, keys, local_tokens, boundary, st.hit_source)
+            self._answered(st, keys, local_tokens, boundary, st.hit_source)
             return boundary - local_tokens
         self._pin(st, [])
         st.waiting_since = st.promoted_from = None
-        self._answered(request, keys, local_tokens, 0, "none")
+        self._answered(st, keys, local_tokens, 0, "none")
         return 0
 
     def _answered(
-        self, request: Request, keys: list[bytes], local_tokens: int, boundary: int, tier: str
+        self, st: _RequestState, keys: list[bytes], local_tokens: int, boundary: int, tier: str
     ) -> None:
-        """Count an answered lookup whose hit (if any) ends at `boundary` and comes
-        from `tier`, and ask vLLM to checkpoint the recurrent state at the prompt's branch
+        """Note an answered lookup whose hit (if any) ends at `boundary` and comes from
+        `tier`, to count once vLLM allocates for it (`after_alloc`), and ask vLLM to checkpoint the recurrent state at the prompt's branch
         point when one is missing (core/policy.py): the attention chunks of an earlier
         prompt reach further than any boundary with a state. vLLM ends a prefill chunk at
         `shared_prefix_boundary` (its own Marconi-style junction, which its local prefix
         cache sets the same way) and hands the state there off like a prompt's."""
+        request = st.request
         L = request.num_prompt_tokens
         served = max(boundary, local_tokens)
         reach = self._reach(keys, served, L)
-        self._count_lookup(L, local_tokens, served, reach, tier)
+        st.answer = (L, local_tokens, served, reach, tier)
         if (
             self._state_groups
             and self.policy is not None
@@ -490,6 +495,9 @@ class SchedulerSide:
         if st is None:
             return
         st.stored_at = None  # new blocks (a request is admitted only from waiting)
+        if st.answer is not None:
+            self._count_lookup(*st.answer)
+            st.answer = None
         hit, st.hit = st.hit, None
         if num_external == 0:
             self._pin(st, [])
