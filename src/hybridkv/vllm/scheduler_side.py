@@ -343,9 +343,10 @@ class SchedulerSide:
         self, st: _RequestState, keys: list[bytes], local_tokens: int, boundary: int, tier: str
     ) -> None:
         """Note an answered lookup whose hit (if any) ends at `boundary` and comes from
-        `tier`, to count once vLLM allocates for it (`after_alloc`), and ask vLLM to checkpoint the recurrent state at the prompt's branch
-        point when one is missing (core/policy.py): the attention chunks of an earlier
-        prompt reach further than any boundary with a state. vLLM ends a prefill chunk at
+        `tier`, to count once vLLM allocates for it (`after_alloc`), and ask vLLM to
+        checkpoint the recurrent state at the prompt's branch point when one is missing
+        (core/policy.py): the attention chunks of an earlier prompt reach further than
+        any boundary with a state. vLLM ends a prefill chunk at
         `shared_prefix_boundary` (its own Marconi-style junction, which its local prefix
         cache sets the same way) and hands the state there off like a prompt's."""
         request = st.request
