@@ -579,3 +579,21 @@ def test_a_failed_load_stores_what_its_recompute_computes(model_dir, async_sched
     eng.check_entries()
     eng.check_settled(lossy=True)
     assert side.index.stats.lost == 1 and eng.worker.stats.failed_loads == 1
+
+
+def test_an_engine_without_prefix_caching_gets_no_hits(model_dir):
+    """vLLM turns prefix caching off for models a restored prefix would break (pooling by
+    mean or CLS cannot prefill a part; non-causal attention makes a prefix's KV depend
+    on later tokens) and on request: hybridkv then neither offers a hit nor stores."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.request import Request
+
+    from hybridkv.vllm.connector import HybridKVConnector
+
+    vllm_config, kv_cache_config = _configs(model_dir, False)
+    vllm_config.cache_config.enable_prefix_caching = False
+    conn = HybridKVConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    req = Request("r", _prompt(100, 3), SamplingParams(max_tokens=1), None)
+    assert not conn.scheduler_side.enabled
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)

@@ -197,18 +197,27 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.planner = Planner(self.layout.groups, self.config.chunk_tokens)
         state_groups = [g for g in self.layout.groups if g.kind is GroupKind.STATE]
         policy = None
-        enabled = True
+        # vLLM turns prefix caching off where a restored prefix would be wrong or crash
+        # the engine (pooling by mean or CLS: no partial prefill; non-causal attention:
+        # a prefix's KV depends on later tokens), as well as on request.
+        enabled = bool(vllm_config.cache_config.enable_prefix_caching)
+        if not enabled:
+            log.warning(
+                "hybridkv: prefix caching is off for this engine (enable_prefix_caching="
+                "False: set, or a model vLLM cannot prefix-cache); offloading is off"
+            )
         split_guard = None
         if state_groups:
             mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
             if mode != "align":
                 # Without "align", vLLM keeps one running state per request and no
                 # checkpoint at chunk boundaries: nothing restorable exists.
-                log.warning(
-                    "hybridkv: recurrent layers without prefix caching (mamba_cache_mode=%s);"
-                    " offloading is off for this engine",
-                    mode,
-                )
+                if enabled:
+                    log.warning(
+                        "hybridkv: recurrent layers without prefix caching "
+                        "(mamba_cache_mode=%s); offloading is off for this engine",
+                        mode,
+                    )
                 enabled = False
             if vllm_config.speculative_config is not None:
                 # Speculative blocks are relocated inside a recurrent group's table; a
