@@ -435,3 +435,70 @@ def test_planner_sizes():
     assert [p.blocks_per_entry(g) for g in range(3)] == [4, 2, 1]
     assert [p.entry_bytes(g) for g in range(3)] == [4 * 1600, 2 * 3200, 6400]
     assert [p.max_hit_chunks(n) for n in (0, 1, 64, 65, 128, 129)] == [0, 0, 0, 1, 1, 2]
+
+
+@pytest.mark.parametrize("extra", [0, 2, 15])
+def test_a_hit_loads_every_sliding_block_vllm_allocates_for_it(extra):
+    """vLLM's own manager (KVCacheManager) allocates a sliding group's blocks for an
+    external hit from its window's trailing edge, extended by the tokens speculative
+    decoding's drafters retain (`extra_retained_tokens`); every block it allocates is
+    loaded, or it would keep another request's bytes under this prefix's hash."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.request import Request
+
+    from hybridkv.vllm.layout import _kind
+
+    bs, window, boundary = 16, 64, 160
+    full = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
+    swa = SlidingWindowSpec(
+        block_size=bs,
+        num_kv_heads=1,
+        head_size=8,
+        dtype=torch.bfloat16,
+        sliding_window=window,
+        extra_retained_tokens=extra,
+    )
+    config = KVCacheConfig(
+        num_blocks=200,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["f"], full), KVCacheGroupSpec(["s"], swa)],
+    )
+    manager = KVCacheManager(
+        config,
+        max_model_len=1024,
+        scheduler_block_size=bs,
+        hash_block_size=bs,
+        use_eagle=extra > 0,
+        num_prefill_lookahead=extra + 1,
+    )
+    sha256 = get_hash_fn_by_name("sha256")
+    init_none_hash(sha256)
+    req = Request(
+        "r",
+        list(range(200)),
+        SamplingParams(max_tokens=4),
+        None,
+        None,
+        block_hasher=get_request_block_hasher(bs, sha256),
+    )
+    manager.allocate_slots(req, 0, num_external_computed_tokens=boundary, delay_cache_blocks=True)
+    block_ids = manager.get_block_ids("r")
+    kind, w = _kind(swa)
+    planner = Planner([spec(FULL, bs), GroupSpec(kind, bs, 100 * bs, ("s",), window=w)])
+    plan = planner.load_plan(0, boundary, block_ids)
+    loaded = {
+        (c.group, c.chunk * planner.blocks_per_entry(c.group) + s) for c in plan for s in c.slots
+    }
+    for g, ids in enumerate(block_ids):
+        allocated = {i for i, b in enumerate(ids[: boundary // bs]) if b != NULL_BLOCK}
+        assert allocated <= {i for gg, i in loaded if gg == g}, (g, sorted(allocated))

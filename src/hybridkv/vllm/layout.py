@@ -40,7 +40,10 @@ def _kind(spec: KVCacheSpec) -> tuple[GroupKind, int | None]:
     if isinstance(spec, MambaSpec):
         return GroupKind.STATE, None
     if isinstance(spec, SlidingWindowSpec):
-        return GroupKind.SLIDING, spec.sliding_window
+        # Speculative decoding's drafters may keep tokens past the window's trailing edge
+        # (`extra_retained_tokens`): vLLM allocates their blocks for a hit, so a hit loads
+        # them too, or they keep another request's bytes under this prefix's hash.
+        return GroupKind.SLIDING, spec.sliding_window + spec.extra_retained_tokens
     if isinstance(spec, FullAttentionSpec):
         # With the hybrid manager off, vLLM keeps sliding layers as full ones.
         return GroupKind.FULL, None
