@@ -481,3 +481,37 @@ def test_a_lookup_is_counted_once_vllm_allocates_for_it():
     assert (side.stats.queried_tokens, side.stats.miss_tokens) == (199, 199)
     side.after_alloc(req, KVCacheBlocks(([], [])), 0)  # again after a load: not a lookup
     assert side.stats.lookups == 1
+
+
+def test_every_stats_message_carries_every_ranks_gauges(tmp_path_factory):
+    """vLLM hands a step's stats to one front end only (`--api-server-count` > 1), and a
+    rank reports a gauge only when it changed: each message carries every rank's latest
+    gauges whenever one changed, so whichever front end gets it sums all ranks."""
+    from test_async_scheduling import _configs, config_dir
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from hybridkv.core import metrics as core
+    from hybridkv.vllm.connector import HybridKVConnector
+    from hybridkv.vllm.metrics import HybridKVStats
+
+    vllm_config, kv_cache_config = _configs(config_dir(tmp_path_factory), False)
+    conn = HybridKVConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    ranks = [core.Reporter("rank0"), core.Reporter("rank1")]
+    fronts = [core.empty(), core.empty()]  # what each front end has merged
+
+    def step(front: int, occupancy: tuple[int, int]) -> float:
+        worker = core.empty()
+        for reporter, value in zip(ranks, occupancy, strict=True):
+            core.merge(worker, reporter.report({}, {"occupancy_bytes": {"cpu": value}}))
+        conn.update_connector_output(
+            KVConnectorOutput(kv_connector_stats=HybridKVStats(data=worker))
+        )
+        stats = conn.get_kv_connector_stats()
+        merged = HybridKVStats(data=worker).aggregate(stats)  # as vLLM's scheduler does
+        core.merge(fronts[front], merged.data)
+        return core.gauge_values(fronts[front]["gauges"])["occupancy_bytes"]["cpu"]
+
+    assert step(0, (100, 100)) == 200
+    assert step(1, (100, 160)) == 260  # front end 1 never saw rank 0's report
+    assert step(0, (90, 160)) == 250  # nor front end 0 rank 1's change

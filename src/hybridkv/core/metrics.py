@@ -118,6 +118,31 @@ def summary(report: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+class GaugeBook:
+    """Every source's latest gauges, kept where all reports meet (the engine core's
+    scheduler side), so that a report carries all of them whenever one changed: vLLM
+    hands a step's stats to one of its front ends only (`--api-server-count` > 1), and
+    a front end that missed another rank's change would sum a stale or missing value."""
+
+    def __init__(self) -> None:
+        self._book: Report = empty()
+
+    def complete(self, report: Report, *seen: Report | None) -> Report:
+        """`report` (changed in place and returned) with every source's latest gauges if
+        it or one of the reports `seen` with it changed any."""
+        changed = False
+        for r in (*seen, report):
+            if r is not None and r.get("gauges"):
+                merge(self._book, {"gauges": r["gauges"]})
+                changed = True
+        if changed:
+            report["gauges"] = {
+                name: {source: dict(by_tier) for source, by_tier in by_source.items()}
+                for name, by_source in self._book["gauges"].items()
+            }
+        return report
+
+
 class Reporter:
     """Turns one source's cumulative counters into reports: the increase since the last
     report, and the gauges that changed since then."""

@@ -187,8 +187,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         self.metrics_server: MetricsServer | None = None
-        # The workers' merged report of the current step, for `metrics_server`.
+        # The workers' merged report of the current step, for `metrics_server` and the
+        # book of every rank's latest gauges (`get_kv_connector_stats`).
         self._worker_report: metrics.Report | None = None
+        self._gauge_book = metrics.GaugeBook()
         ktc = vllm_config.kv_transfer_config
         self.config = HybridKVConfig.from_dict(ktc.kv_connector_extra_config)
         check_process_layout(vllm_config)
@@ -334,7 +336,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     @_guarded(lambda: None)
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         stats = connector_output.kv_connector_stats
-        if self.metrics_server is not None and stats is not None:
+        if stats is not None:
             self._worker_report = metrics.merge(metrics.empty(), stats.data)
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, HybridKVWorkerMeta):
@@ -454,9 +456,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         (vLLM calls this every step, after `update_connector_output`)."""
         side = self.scheduler_side or self.worker_side
         report = self._reporter.report(*side.metrics())
-        if self.metrics_server is not None:
+        if self.scheduler_side is not None:
             worker, self._worker_report = self._worker_report, None
-            self.metrics_server.observe(metrics.merge(worker or metrics.empty(), report))
+            self._gauge_book.complete(report, worker)  # every rank's, if one changed
+            if self.metrics_server is not None:
+                self.metrics_server.observe(metrics.merge(worker or metrics.empty(), report))
         return stats_or_none(report)
 
     @classmethod
