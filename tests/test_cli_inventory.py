@@ -381,3 +381,16 @@ def test_inspect_redis_cluster(capsys):
         rc, out = inspect_json(capsys, nodes[1].url, "--verify")
         assert rc == 0 and out["entries"] == out["verify"]["good"] == 12
         assert out["bytes"] == 12 * file_bytes(5000, False)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://127.0.0.1:1/0?password=TOPSECRET", "redis://:TOPSECRET@127.0.0.1:notaport/0"],
+    ids=["query-password", "bad-port"],
+)
+def test_inspect_of_a_redis_it_cannot_reach_says_so_without_the_password(capsys, url):
+    capsys.readouterr()
+    rc = main(["inspect", url])
+    out = capsys.readouterr()
+    assert rc != 0 and "cannot read redis://" in out.err, out
+    assert "TOPSECRET" not in out.out + out.err and "Traceback" not in out.err

@@ -177,3 +177,41 @@ def test_serve_bad_config_fails_before_vllm(model_dirs: dict[str, str], tmp_path
         assert needle in r.stderr, r.stderr
         assert "api_server" not in r.stdout + r.stderr  # the exec line was never printed
         assert time.monotonic() - t < 15
+
+
+def test_serve_options_win_and_a_redis_password_stays_off_the_command_line(
+    model_dirs: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The options reach the server as the HYBRIDKV_* variables they stand for: above the
+    caller's own variables (a stale HYBRIDKV_CPU_BYTES does not win over --cpu), and the
+    Redis URL with its password never in vLLM's argv (which `ps` and vLLM's argument log
+    show) nor in the line echoed; a config error does not repeat it either."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from hybridkv.cli.app import app
+
+    started: dict = {}
+
+    def execvpe(path, argv, env):
+        started.update(argv=argv, env=env)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(os, "execvpe", execvpe)
+    monkeypatch.setenv("HYBRIDKV_CPU_BYTES", "lots")
+    url = "redis://:TOPSECRET@127.0.0.1:6390/0"
+    model = model_dirs["qwen3"]
+    runner = CliRunner()
+    r = runner.invoke(app, ["serve", model, "--cpu", "1GiB", "--redis", url])
+    assert r.exit_code == 0, r.output
+    assert "TOPSECRET" not in " ".join(started["argv"]) and "TOPSECRET" not in r.output
+    assert started["env"]["HYBRIDKV_REDIS_URL"] == url
+    assert started["env"]["HYBRIDKV_CPU_BYTES"] == "1GiB"
+    bad = tmp_path / "hybridkv.yaml"
+    bad.write_text("cpu_bites: 1GiB\n")
+    r = runner.invoke(app, ["serve", model, "--redis", url, "--config", str(bad)])
+    assert r.exit_code == 2 and "cpu_bites" in r.output and "TOPSECRET" not in r.output
+    r = runner.invoke(app, ["serve", model, "--redis", "redis://:TOPSECRET@h:notaport/0"])
+    assert r.exit_code == 2 and "option --redis" in r.output, r.output
+    assert "TOPSECRET" not in r.output

@@ -11,7 +11,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -62,29 +62,40 @@ def serve(
         str | None, typer.Option(metavar="FILE", help="YAML / JSON settings file (config_file)")
     ] = None,
     host: Annotated[str, typer.Option(metavar="HOST", help="address to listen on")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(metavar="N", help="port to listen on")] = 8000,
+    port: Annotated[
+        int, typer.Option(metavar="N", min=1, max=65535, help="port to listen on")
+    ] = 8000,
 ) -> None:
     """Start vLLM's OpenAI-compatible server with hybridkv and vLLM's prefix caching on.
 
-    Settings not given as options come from the config file and HYBRIDKV_* variables (see
-    docs/config.md); all are checked before vLLM starts."""
+    Options win; settings not given as options come from HYBRIDKV_* variables and the
+    config file (see docs/config.md); all are checked before vLLM starts."""
     from hybridkv.core.config import ConfigError, HybridKVConfig
 
-    extra: dict[str, Any] = {}
     if cpu is not None:
         size_option(cpu, "--cpu")  # a bad size is a usage error naming --cpu
-    for key, value in (
-        ("cpu_bytes", cpu),
-        ("disk_path", disk),
-        ("redis_url", redis),
-        ("config_file", config),
+    # The options reach the server as the HYBRIDKV_* variables they stand for: above the
+    # caller's variables and the file, and a Redis password stays off vLLM's command line
+    # (which `ps` and vLLM's own argument log show) and off the line echoed below.
+    env = dict(os.environ)
+    named: dict[str, str] = {}
+    for option, key, value in (
+        ("--cpu", "cpu_bytes", cpu),
+        ("--disk", "disk_path", disk),
+        ("--redis", "redis_url", redis),
+        ("--config", "config_file", config),
     ):
         if value is not None:
-            extra[key] = value
+            variable = "HYBRIDKV_" + key.upper()
+            env[variable] = value
+            named[f"environment {variable}"] = f"option {option}"
     try:
-        settings = HybridKVConfig.from_dict(extra)
+        settings = HybridKVConfig.from_dict({}, env=env)
     except ConfigError as e:
-        typer.echo(f"hybridkv serve: {e}", err=True)
+        message = str(e)
+        for variable, option in named.items():
+            message = message.replace(variable, option)
+        typer.echo(f"hybridkv serve: {message}", err=True)
         raise typer.Exit(2) from None
 
     args = list(vllm_args or ())
@@ -97,7 +108,7 @@ def serve(
         arch, size = generated
         args = ["--served-model-name", model, *args]
         model = str(make_model(arch, default_model_dir(arch, size), size=size))
-    argv = server_args(model, extra, host=host, port=port, vllm_args=args)
+    argv = server_args(model, {}, host=host, port=port, vllm_args=args)
     typer.echo("hybridkv serve: " + shlex.join(argv), err=True)
     sys.stderr.flush()
-    os.execvpe(argv[0], argv, dict(os.environ))
+    os.execvpe(argv[0], argv, env)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridkv.core.config import mask_url
 from hybridkv.core.keys import KEY_BYTES, split_group_key
 from hybridkv.core.tiers.disk import (
     LAYOUT_JSON,
@@ -316,9 +317,7 @@ class RedisStore:
         import redis
         from redis.cluster import RedisCluster
 
-        from hybridkv.core.tiers.redis import without_password
-
-        self.where = without_password(url)
+        self.where = mask_url(url)
         self.prefix = key_prefix
         self._name = re.compile(
             rf"^{re.escape(key_prefix)}:([0-9a-f]{{32}}):\{{([0-9a-f]{{{2 * KEY_BYTES + 4}}})\}}"
@@ -331,7 +330,8 @@ class RedisStore:
             if cluster:
                 client.close()
                 client = RedisCluster.from_url(url, **options)
-        except (redis.RedisError, OSError) as e:
+        except (redis.RedisError, OSError, ValueError, TypeError) as e:
+            # ValueError / TypeError: a URL redis-py cannot parse (a port, an option).
             raise InventoryError(f"cannot read {self.where}: {e}") from e
         self.client: Any = client
         self.cluster = cluster

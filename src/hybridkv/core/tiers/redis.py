@@ -67,7 +67,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import torch
@@ -77,6 +76,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from hybridkv.core.background import lower_priority
+from hybridkv.core.config import mask_url
 from hybridkv.core.linked_keys import LruMap
 from hybridkv.core.tiers.backoff import Backoff
 from hybridkv.core.tiers.base import TierStats
@@ -101,16 +101,6 @@ _WRITE_BATCH_BYTES = 64 << 20
 _STORED_LIMIT = 1 << 18
 # Errors that say the server (or the way to it) is unusable, not one value.
 _SERVER_FAULTS = (redis.RedisError, RedisClusterException, OSError)
-
-
-def without_password(url: str) -> str:
-    """`url` fit for a log: any password masked."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rpartition("@")[2]
-    user = f"{parts.username}:" if parts.username else ":"
-    return urlunsplit(parts._replace(netloc=f"{user}***@{netloc}"))
 
 
 def glob_escape(text: str) -> str:
@@ -165,7 +155,7 @@ class RedisTier(QueuedTier):
             raise ValueError("ttl_s must be at least 1 second (None: no expiry)")
         super().__init__(fingerprint, entry_bytes, integrity_key, queue_bytes, alloc)
         self._url = url
-        self.where = without_password(url)  # for logs
+        self.where = mask_url(url)  # for logs
         self.cluster = cluster
         self.ttl_s = ttl_s
         self.max_entry_bytes = max_entry_bytes
