@@ -394,3 +394,62 @@ def test_inspect_of_a_redis_it_cannot_reach_says_so_without_the_password(capsys,
     out = capsys.readouterr()
     assert rc != 0 and "cannot read redis://" in out.err, out
     assert "TOPSECRET" not in out.out + out.err and "Traceback" not in out.err
+
+
+def test_gc_layout_removes_a_layout_without_entries(tmp_path, capsys):
+    """A layout directory holding only its layout.json (emptied, or never written):
+    `gc --layout` removes it, as it says."""
+    fp = bytes(range(16))
+    DiskTier(tmp_path, fp, {"model": "empty"}, 1 << 30).close()
+    assert (tmp_path / fp.hex() / "layout.json").is_file()
+    rc, out = run_cli(capsys, "gc", str(tmp_path), "--layout", fp.hex()[:6])
+    assert rc == 0 and "(whole layout)" in out, out
+    assert not (tmp_path / fp.hex()).exists()
+
+
+def test_inspect_reads_layout_json_as_text_not_markup(tmp_path, capsys):
+    """layout.json is anyone's to write in a shared directory: rich markup in it is shown,
+    never parsed (a stray closing tag crashed the table)."""
+    fp = bytes(range(16))
+    description = {"model": "m", "groups": [{"kind": "[/x]", "block_tokens": "[/y]"}]}
+    tier = DiskTier(tmp_path, fp, description, 1 << 30)
+    tier.put(group_key(b"\x01" * KEY_BYTES, 0), torch.zeros(100, dtype=torch.int8))
+    tier.flush()
+    tier.close()
+    rc, out = run_cli(capsys, "inspect", str(tmp_path))
+    assert rc == 0 and "[/y]" in out, out
+
+
+def test_inspect_notes_a_layout_it_cannot_list(tmp_path, capsys, monkeypatch):
+    """Another user's layout directory (0700 under the default disk_mode) in a shared
+    disk_path: a note on that layout, the others inspected. (The fault is injected: this
+    suite runs as root, whom permissions do not stop.)"""
+    from hybridkv.core import inventory
+
+    for i in range(2):
+        tier = DiskTier(tmp_path, bytes([i]) * 16, {"model": f"m{i}"}, 1 << 30)
+        tier.put(group_key(b"\x01" * KEY_BYTES, 0), torch.zeros(100, dtype=torch.int8))
+        tier.flush()
+        tier.close()
+    scan = inventory.scan_layout_dir
+    theirs = str(tmp_path / (bytes([1]) * 16).hex())
+
+    def scan_or_refuse(layout_dir):
+        if str(layout_dir) == theirs:
+            raise PermissionError(13, "Permission denied", theirs)
+        return scan(layout_dir)
+
+    monkeypatch.setattr(inventory, "scan_layout_dir", scan_or_refuse)
+    rc, data = inspect_json(capsys, str(tmp_path))
+    assert rc == 0
+    notes = {lay["fingerprint"]: lay.get("note") for lay in data["layouts"]}
+    assert "Permission denied" in notes[(bytes([1]) * 16).hex()]
+    assert notes[(bytes([0]) * 16).hex()] is None
+
+
+def test_a_duration_too_long_for_a_number_is_a_usage_error():
+    from hybridkv.core.trim import parse_duration
+
+    assert parse_duration("90m") == 5400
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration("9" * 400 + "s")

@@ -77,7 +77,7 @@ def gc(
 
     console = Console(highlight=False)
     show_plan(console, p, dry_run)
-    if dry_run or not p.entries():
+    if dry_run or not (p.entries() or p.layouts):  # a whole layout may hold no entries
         return
     with byte_progress("removing", p.bytes, quiet=False) as advance:
         result = trim.execute(p, advance)

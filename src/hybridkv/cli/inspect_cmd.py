@@ -160,10 +160,10 @@ def show_layout(console: Console, lay: LayoutInventory, s: dict[str, Any]) -> No
         count = found.get(gid, {"entries": 0, "bytes": 0})
         layers = g.get("layer_names")
         window = f" ({g['window']} tokens)" if g.get("window") else ""
-        row = [
+        row = [  # layout.json is anyone's to write: nothing of it read as markup
             str(gid),
-            lay.kind_of(gid) + window,
-            str(g.get("block_tokens", "?")),
+            escape(lay.kind_of(gid) + window),
+            escape(str(g.get("block_tokens", "?"))),
             str(len(layers)) if isinstance(layers, list) else "?",
             escape(str(g.get("dtype", "?")).replace("torch.", "")),
         ]
@@ -171,7 +171,8 @@ def show_layout(console: Console, lay: LayoutInventory, s: dict[str, Any]) -> No
     console.print(table)
     if described:
         kinds = [
-            f"{kind} {k['entries']} ({human_bytes(k['bytes'])})" for kind, k in s["kinds"].items()
+            f"{escape(kind)} {k['entries']} ({human_bytes(k['bytes'])})"
+            for kind, k in s["kinds"].items()
         ]
         console.print(f"  by kind: {', '.join(kinds)}")
     c = s["chunks"]

@@ -255,6 +255,15 @@ class DiskStore:
     def _layout(self, layout_dir: Path) -> LayoutInventory:
         description, note = _describe(layout_dir)
         lay = LayoutInventory(layout_dir.name, str(layout_dir), description, note)
+        try:
+            self._list(layout_dir, lay)
+        except OSError as e:  # another user's layout in a shared directory, say
+            lay.note = "; ".join(filter(None, (lay.note, f"cannot list: {e.strerror or e}")))
+        return lay
+
+    @staticmethod
+    def _list(layout_dir: Path, lay: LayoutInventory) -> None:
+        """The layout directory's entries, writes in progress and strays, into `lay`."""
         for e in scan_layout_dir(layout_dir):
             try:
                 st = e.stat(follow_symlinks=False)
@@ -275,7 +284,6 @@ class DiskStore:
                 lay.temporary_bytes += st.st_size
             elif e.name != LAYOUT_JSON or os.path.dirname(e.path) != str(layout_dir):
                 lay.strays.add(where, "no entry name", st.st_size)
-        return lay
 
     def check(self, layout: LayoutInventory, entry: Entry, mac_key: bytes | None) -> None:
         """Read and verify one entry as an engine would (raises EntryFileError, OSError).

@@ -27,6 +27,7 @@ little early; nothing worse.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import time
@@ -50,9 +51,10 @@ _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 def parse_duration(text: str) -> float:
     """Seconds in a duration such as `90s`, `30m`, `12h`, `7d`, `2w`; ValueError otherwise."""
     m = _DURATION.match(text)
-    if m is None:
+    seconds = float(m[1]) * _SECONDS[m[2]] if m is not None else math.nan
+    if not math.isfinite(seconds):
         raise ValueError(f"expected a duration like 30m, 12h or 7d, got {text!r}")
-    return float(m[1]) * _SECONDS[m[2]]
+    return seconds
 
 
 def find_layout(inventory: Inventory, ident: str) -> LayoutInventory:
@@ -183,8 +185,11 @@ def _remove_dir(layout_dir: Path) -> bool:
     now = time.time()
     for e in scan_layout_dir(layout_dir):
         with contextlib.suppress(OSError):
-            if is_temporary(e.name) and now - e.stat().st_mtime > STALE_TMP_SECONDS:
-                os.unlink(e.path)
+            if (
+                is_temporary(e.name)
+                and now - e.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS
+            ):
+                discard(e.path)
     try:
         for sub in os.scandir(layout_dir):
             if len(sub.name) == 2 and sub.is_dir(follow_symlinks=False):
