@@ -983,3 +983,23 @@ def test_redis_without_integrity_key_warns(caplog):
     assert "redis://:***@cache:6379/0" in msg and "hunter2" not in msg
     assert _warnings(caplog, {"redis_url": url, "integrity_key": SECRET}) == []
     assert _warnings(caplog, {}) == []  # the cpu tier alone is this process's own
+
+
+def test_config_errors_never_repeat_a_secret(tmp_path):
+    """A YAML syntax error is told by its place, not by the line (which may hold the
+    key); a tier written as a mapping, or as a list, shows its URL with the password
+    masked; an infinite eviction_alpha is refused."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cpu_bytes: 1GiB\nintegrity_key: @Kq9#zT!r2vX8mLp\n")
+    with pytest.raises(ConfigError) as e:
+        HybridKVConfig.from_dict({"config_file": str(bad)}, env={})
+    assert "line 2" in str(e.value) and "Kq9" not in str(e.value)
+    for tiers in (
+        {"redis": {"url": "redis://:FILESECRET@h:6379"}},
+        [["redis://:FILESECRET@h:6379"]],
+    ):
+        with pytest.raises(ConfigError) as e:
+            HybridKVConfig.from_dict({"tiers": tiers}, env={})
+        assert "tiers" in str(e.value) and "FILESECRET" not in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match="eviction_alpha"):
+        HybridKVConfig.from_dict({"eviction_alpha": float("inf")}, env={})

@@ -424,7 +424,11 @@ def _read_config_file(path: str) -> dict[str, Any]:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise ConfigError(f"config_file: {path!r} is not valid YAML: {e}") from None
+            # Where, not the line itself: it may hold a secret (integrity_key, a URL).
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or "a syntax error"
+            raise ConfigError(f"config_file: {path!r} is not valid YAML{at}: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
@@ -558,7 +562,7 @@ class HybridKVConfig(BaseSettings):
     integrity_secret: Secret | None = Field(default=None, alias="integrity_key")
     # Weight of prefill saved per byte against recency when CPU memory evicts recurrent
     # boundaries (core/eviction.py); 0 is LRU over whole boundaries.
-    eviction_alpha: Annotated[float, Field(strict=True, ge=0)] = 0.25
+    eviction_alpha: Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)] = 0.25
     # Bytes each rank writes into its KV cache for restores in one engine step; the rest
     # waits for the next steps, so a large restore does not stall decoding requests
     # (the GPU copies overlap forwards; a CPU engine copies in the step). 0: no limit.
@@ -747,8 +751,15 @@ def _describe(err: Any, names: Mapping[tuple[str, str], str], where: Mapping[str
 
 
 def _shown(value: Any) -> Any:
-    """`value` as an error may echo it: a string that may be a URL loses its password."""
-    return mask_url(value) if isinstance(value, str) and "://" in value else value
+    """`value` as an error may echo it: a string that may be a URL loses its password, in
+    a list or mapping too (a tier written as a mapping echoes its URL)."""
+    if isinstance(value, str):
+        return mask_url(value) if "://" in value else value
+    if isinstance(value, Mapping):
+        return {k: "***" if k == "integrity_key" else _shown(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_shown(v) for v in value)
+    return value
 
 
 def _explain(
