@@ -1003,3 +1003,13 @@ def test_config_errors_never_repeat_a_secret(tmp_path):
         assert "tiers" in str(e.value) and "FILESECRET" not in str(e.value), str(e.value)
     with pytest.raises(ConfigError, match="eviction_alpha"):
         HybridKVConfig.from_dict({"eviction_alpha": float("inf")}, env={})
+
+
+@pytest.mark.parametrize(
+    "query", ["passwrd=x", "socket_timeout=abc"], ids=["misspelt", "bad-value"]
+)
+def test_a_redis_url_option_redis_py_refuses_fails_at_start(query):
+    """Not a tier that stays down: the engine would only see it when it connects."""
+    with pytest.raises(ConfigError, match="redis_url"):
+        HybridKVConfig.from_dict({"redis_url": f"redis://h:6379/0?{query}"}, env={})
+    HybridKVConfig.from_dict({"redis_url": "redis://h:6379/0?socket_timeout=2"}, env={})

@@ -192,6 +192,12 @@ def _redis_url(value: str) -> str:
         raise ValueError(f"a unix:// URL needs a socket path, got {shown!r}")
     if parts.scheme != "unix" and not parts.hostname:
         raise ValueError(f"the URL names no host, got {shown!r}")
+    import redis  # the options in its query, as the tier's client will read them
+
+    try:
+        redis.ConnectionPool.from_url(value).make_connection()  # no socket opened yet
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"redis-py cannot use {shown!r}: {e}") from None
     return value
 
 
