@@ -1013,3 +1013,13 @@ def test_a_redis_url_option_redis_py_refuses_fails_at_start(query):
     with pytest.raises(ConfigError, match="redis_url"):
         HybridKVConfig.from_dict({"redis_url": f"redis://h:6379/0?{query}"}, env={})
     HybridKVConfig.from_dict({"redis_url": "redis://h:6379/0?socket_timeout=2"}, env={})
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"), [("store", "on_evict"), ("load_weight", 2.0)], ids=["store", "weight"]
+)
+def test_a_cpu_tier_setting_that_would_be_ignored_is_refused(setting, value):
+    """The cpu tier takes every store and serves every hit it holds first: a setting
+    that means something only below it fails, naming it, instead of being ignored."""
+    with pytest.raises(ConfigError, match=f"tiers\\[0\\].{setting}"):
+        HybridKVConfig.from_dict({"tiers": [{"kind": "cpu", setting: value}]}, env={})

@@ -251,7 +251,10 @@ class CpuTierConfig(_Tier):
 
     kind: Literal["cpu"] = "cpu"
     bytes: Size = 2 * GiB
-    store: Literal["always", "on_evict"] = "always"  # never would leave it unused
+    # Every store goes to CPU memory first (no tier above it evicts into it), and a hit
+    # it holds is served from it: the two settings only mean something below it.
+    store: Literal["always"] = "always"
+    load_weight: Literal[1.0] = 1.0
 
 
 class DiskTierConfig(_Tier):
