@@ -597,3 +597,43 @@ def test_an_engine_without_prefix_caching_gets_no_hits(model_dir):
     req = Request("r", _prompt(100, 3), SamplingParams(max_tokens=1), None)
     assert not conn.scheduler_side.enabled
     assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_kv_events_that_stop_retract_what_they_announced(model_dir, monkeypatch):
+    """Once a fault stops the events, what they announced can never be corrected: the
+    next step retracts every block they may have announced, on each tier, then nothing
+    more comes (a router would otherwise keep sending this replica those prefixes)."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from hybridkv.core.resumable import ResumableTracker
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected tracker fault")
+
+    eng = Engine(model_dir, async_scheduling=False, kv_events=True)
+    published: list = []
+    monkeypatch.setattr(
+        eng.sched.kv_event_publisher, "publish", lambda batch: published.extend(batch.events)
+    )
+
+    def hashes(kind) -> set:
+        return {
+            h
+            for e in published
+            if isinstance(e, kind) and e.medium == "CPU"
+            for h in e.block_hashes
+        }
+
+    eng.add("a", _prompt(40, 1), max_tokens=25)
+    eng.run()
+    announced = hashes(BlockStored) - hashes(BlockRemoved)
+    assert announced
+    published.clear()
+    monkeypatch.setattr(ResumableTracker, "changed", fail)
+    eng.add("b", _prompt(40, 2), max_tokens=25)
+    eng.run()
+    assert eng.side.events.broken
+    assert announced <= hashes(BlockRemoved) and not hashes(BlockStored)
+    assert list(eng.sched.connector.take_events()) == []
+    eng.check_entries()
+    eng.check_settled()

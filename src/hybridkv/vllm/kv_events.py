@@ -141,6 +141,7 @@ class KVEvents:
         tiers = ("cpu", "disk") if disk else ("cpu",)
         self.tracker = ResumableTracker(tiers, self._present)
         self._payloads = RowBytes()  # entry -> its `_Payload`, pickled
+        self._final: list[KVCacheEvent] = []  # the retractions `stop` leaves to send
         self.broken = False  # an error in the tracker turned the events off
 
     def _present(self, tier: str, key: bytes) -> bool:
@@ -168,10 +169,35 @@ class KVEvents:
 
     def stop(self) -> None:
         """After an error in the tracker: what it holds may be half changed, so no event
-        from it can be trusted any more."""
+        from it can be trusted any more. The next `take` retracts, on every tier, each
+        entry it may have announced (every one it keeps a payload of; a router ignores a
+        removal of what it never had), so routers stop sending this replica prefixes on
+        the word of announcements that will never be corrected."""
         log.exception("hybridkv: KV cache events failed; publishing no more of them")
         self.broken = True
+        try:
+            self._final = self._retract_all()
+        except Exception:
+            log.exception("hybridkv: retracting the KV cache events failed")
         self._payloads.clear()
+
+    def _retract_all(self) -> list[KVCacheEvent]:
+        as_ints = envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
+        by_group: dict[int, list[Any]] = {}
+        for entry in self._payloads.rows():
+            p = _Payload._make(pickle.loads(self._payloads[entry]))
+            by_group.setdefault(p.group, []).extend(p.block_hashes(as_ints))
+        return [
+            BlockRemoved(
+                block_hashes=hashes,
+                medium=MEDIA[tier],
+                group_idx=g,
+                locality=LOCALITY,
+                ownership=OWNERSHIP,
+            )
+            for tier in self.tracker.tiers
+            for g, hashes in sorted(by_group.items())
+        ]
 
     # ---- what requests tell ---------------------------------------------------------------
     def observe(self, request: Request, keys: Sequence[bytes], boundaries: Sequence[int]) -> None:
@@ -248,7 +274,8 @@ class KVEvents:
         """The step's events: one `BlockStored` per entry that became resumable on a tier,
         one `BlockRemoved` per (tier, group) for those that stopped being so."""
         if self.broken:
-            return []
+            final, self._final = self._final, []
+            return final
         events: list[KVCacheEvent] = []
         as_ints = envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
         for a in self.tracker.take():
