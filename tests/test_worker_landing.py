@@ -512,3 +512,94 @@ def test_a_step_reported_before_its_stores_are_queued_has_not_landed(worker):
     held[1].land()
     ws.report()
     assert ws.landed_through() == 2
+
+
+def test_a_promotion_read_after_its_evict_order_is_dropped():
+    """Tensor parallelism: another rank's read of a promotion failed, so the index
+    dropped the entry and ordered every rank to evict it; this rank's read, slower, lands
+    after that order. It must not put into CPU memory what the index no longer counts
+    (over the budget, with nothing to reconcile it)."""
+    import threading
+    import time
+    from concurrent.futures import wait
+
+    from hybridkv.core.index import StoreIndex, WorkerReport
+
+    key = b"k" * 18
+    index = StoreIndex(1 << 20, ranks=2, disk=False)
+    index.hint("below", [key], time.monotonic() + 60)
+    assert index.promote(key, PAGE, "below")
+    orders = index.take_orders()
+    group = GroupSpec(GroupKind.FULL, BLOCK_TOKENS, block_bytes=PAGE, layer_names=("l0",))
+    below = MemoryTier(1 << 20)
+    below.name = "below"
+    ws = WorkerSide(Planner([group]), TieredStore([MemoryTier(1 << 20), below]))
+    ws.register({"l0": torch.zeros((BLOCKS, PAGE), dtype=torch.int8)}, [[("l0", PAGE)]], BLOCKS)
+    below.put(key, torch.full((PAGE,), 7, dtype=torch.int8))
+    gate = threading.Event()
+    get_many = below.get_many
+
+    def slow(keys):  # ordered by events, not timing: the read waits for the gate
+        assert gate.wait(30)
+        return get_many(keys)
+
+    below.get_many = slow
+    ws.begin_step(HybridKVMetadata(step=1, epoch=index.epoch, orders=orders))
+    ws.end_step(HybridKVMetadata(step=1, epoch=index.epoch))
+    index.apply(1, WorkerReport(epoch=index.epoch, promoted=[(index.epoch, key, False)]))
+    evict = index.take_orders()
+    assert evict.evict == [key]
+    ws.begin_step(HybridKVMetadata(step=2, epoch=index.epoch, orders=evict))
+    ws.end_step(HybridKVMetadata(step=2, epoch=index.epoch, orders=evict))
+    gate.set()
+    wait(ws._promotions, timeout=30)
+    index.apply(0, ws.report())
+    assert ws.store.cpu.get(key) is None
+    assert not index.in_cpu(key) and not index.promoting(key) and index.ledger.used == 0
+
+
+def test_close_stops_promoting_and_drains_the_disk_writes(tmp_path):
+    """At shutdown the promotions still queued are not read (they serve nothing, and
+    vLLM's executor gives a worker seconds before it kills it); the disk write queued
+    behind them lands."""
+    import threading
+    import time
+
+    from hybridkv.core.keys import group_key
+    from hybridkv.core.tiers.disk import DiskTier
+
+    page = 4096
+    group = GroupSpec(GroupKind.FULL, BLOCK_TOKENS, block_bytes=page, layer_names=("l0",))
+    disk = DiskTier(tmp_path, b"f" * 16, {}, 1 << 30, entry_bytes=[page])
+    slow = MemoryTier(1 << 30)
+    slow.name = "slow"
+    keys = [group_key(b"%016d" % i, 0) for i in range(PROMOTE_SLICE_ENTRIES * 8)]
+    for k in keys:
+        slow.put(k, torch.ones(page, dtype=torch.int8))
+    started, gate, reads = threading.Event(), threading.Event(), []
+    get_many = slow.get_many
+
+    def held(ks):  # the first read waits for the gate (ordered by events, not timing)
+        reads.append(len(ks))
+        started.set()
+        assert gate.wait(30)
+        return get_many(ks)
+
+    slow.get_many = held
+    ws = WorkerSide(Planner([group]), TieredStore([MemoryTier(1 << 30), disk, slow]))
+    n = PROMOTE_SLICE_ENTRIES
+    for i in range(8):
+        orders = Orders(promote=[(k, "slow") for k in keys[n * i : n * (i + 1)]])
+        ws.begin_step(HybridKVMetadata(step=i, orders=orders))
+    written = group_key(b"w" * 16, 0)
+    assert disk.put(written, torch.ones(page, dtype=torch.int8))
+    assert started.wait(30)
+    closing = threading.Thread(target=ws.close)
+    closing.start()
+    deadline = time.monotonic() + 30  # until close has cancelled the orders queued
+    while not all(f.cancelled() for f in ws._promotions[1:]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.set()
+    closing.join(30)
+    assert not closing.is_alive() and len(reads) == 1  # the read under way, no other
+    assert DiskTier(tmp_path, b"f" * 16, {}, 1 << 30, entry_bytes=[page]).contains(written)

@@ -173,6 +173,11 @@ class WorkerSide:
             1, thread_name_prefix="hybridkv-promote", initializer=lower_priority
         )
         self._promotions: list[Future] = []
+        # Keys ordered promoted and not read yet. An evict or delete order takes a key out
+        # (with tensor parallelism the index orders one when another rank's read failed):
+        # a read landing after it must not put into CPU memory what the index dropped.
+        self._promoting: set[bytes] = set()
+        self._closing = False  # `close` began: no more promotion reads
         self._idle = False
         # Entries gathered before their keys were known, by tag, until named or dropped,
         # and each request's tags (released with the request if never named).
@@ -280,6 +285,8 @@ class WorkerSide:
         finally:
             self.load(meta)
         if meta.orders.promote:
+            with self._lock:
+                self._promoting.update(key for key, _ in meta.orders.promote)
             future = self._promoter.submit(self._promote, meta.epoch, list(meta.orders.promote))
             self._promotions.append(future)
 
@@ -290,6 +297,7 @@ class WorkerSide:
             pending.items = []
         with self._lock:
             self.store.clear()
+            self._promoting.clear()  # the epoch's promotions are forgotten with it
             self._report = WorkerReport()
             disk = self.store.disk
             if disk is not None:
@@ -430,7 +438,7 @@ class WorkerSide:
         time, each slice reported when it is read. After a clear the rest is not read:
         the index has forgotten those promotions."""
         for start in range(0, len(items), PROMOTE_SLICE_ENTRIES):
-            if epoch != self.epoch:
+            if epoch != self.epoch or self._closing:
                 with self._lock:
                     self.stats.failed_promotions += len(items) - start
                 return
@@ -458,8 +466,12 @@ class WorkerSide:
         with self._lock:
             for key, source, entry in read:
                 ok = (
-                    entry is not None and epoch == self.epoch and self._promoted(key, entry, source)
+                    entry is not None
+                    and epoch == self.epoch
+                    and key in self._promoting
+                    and self._promoted(key, entry, source)
                 )
+                self._promoting.discard(key)
                 results.append((epoch, key, ok))
                 if ok:
                     self.stats.promoted_entries += 1
@@ -609,6 +621,7 @@ class WorkerSide:
                 entry = self.store.cpu.get(key)
                 if entry is not None:
                     self.store.persist(key, entry)
+            self._promoting.difference_update(evict | delete)
             for key in orders.evict:
                 entry = self.store.cpu.get(key) if self.store.evicts_below else None
                 self.stats.cpu_evictions += int(self.store.cpu.delete(key))
@@ -693,6 +706,10 @@ class WorkerSide:
         return out
 
     def close(self) -> None:
+        """Land the stores, stop promoting (a read at shutdown serves nothing, and would
+        hold up the disk writes still queued, which vLLM's executor gives seconds before
+        it kills the worker), then drain and close the tiers."""
         self._land(wait=True)
-        self._promoter.shutdown(wait=True)
+        self._closing = True
+        self._promoter.shutdown(wait=True, cancel_futures=True)
         self.store.close()
