@@ -183,20 +183,11 @@ class KVEvents:
 
     def _retract_all(self) -> list[KVCacheEvent]:
         as_ints = envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
-        by_group: dict[int, list[Any]] = {}
-        for entry in self._payloads.rows():
-            p = _Payload._make(pickle.loads(self._payloads[entry]))
-            by_group.setdefault(p.group, []).extend(p.block_hashes(as_ints))
+        payloads = [_Payload._make(pickle.loads(self._payloads[e])) for e in self._payloads.rows()]
         return [
-            BlockRemoved(
-                block_hashes=hashes,
-                medium=MEDIA[tier],
-                group_idx=g,
-                locality=LOCALITY,
-                ownership=OWNERSHIP,
-            )
+            event
             for tier in self.tracker.tiers
-            for g, hashes in sorted(by_group.items())
+            for event in _removed(payloads, MEDIA[tier], as_ints)
         ]
 
     # ---- what requests tell ---------------------------------------------------------------
@@ -289,19 +280,7 @@ class KVEvents:
                 # by group (stable: each group's entries stay in chain order)
                 events += self._stored(sorted((p for _, p in known), key=_group), medium, as_ints)
                 continue
-            by_group: dict[int, list[Any]] = {}
-            for _, p in known:
-                by_group.setdefault(p.group, []).extend(p.block_hashes(as_ints))
-            for g, hashes in by_group.items():
-                events.append(
-                    BlockRemoved(
-                        block_hashes=hashes,
-                        medium=medium,
-                        group_idx=g,
-                        locality=LOCALITY,
-                        ownership=OWNERSHIP,
-                    )
-                )
+            events += _removed([p for _, p in known], medium, as_ints)
         for entry in self.tracker.take_released():
             self._payloads.pop(entry)
         return events
@@ -349,3 +328,20 @@ class KVEvents:
                 )
             last = p
         return events
+
+
+def _removed(payloads: Sequence[_Payload], medium: str, as_ints: bool) -> list[BlockRemoved]:
+    """One `BlockRemoved` per group for `payloads` leaving `medium`."""
+    by_group: dict[int, list[Any]] = {}
+    for p in payloads:
+        by_group.setdefault(p.group, []).extend(p.block_hashes(as_ints))
+    return [
+        BlockRemoved(
+            block_hashes=hashes,
+            medium=medium,
+            group_idx=g,
+            locality=LOCALITY,
+            ownership=OWNERSHIP,
+        )
+        for g, hashes in by_group.items()
+    ]
