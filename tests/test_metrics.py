@@ -445,42 +445,33 @@ def test_metrics_server_binds_loopback_unless_a_host_is_given(
         server.close()
 
 
-def test_a_lookup_is_counted_once_vllm_allocates_for_it():
-    """vLLM asks a waiting request's lookup again every step until it can allocate its
-    blocks (a full KV cache); the prompt's tokens are counted once, when it does, as
-    vLLM counts its own connector prefix-cache queries."""
-    from vllm import SamplingParams
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.request import Request
+def test_a_lookup_is_counted_once_vllm_allocates_for_it(tmp_path_factory):
+    """vLLM's real scheduler asks a waiting request's lookup again every step until it
+    can allocate its blocks: a KV cache of 32 blocks, held by a long request, leaves the
+    second no room until the first ends (checked: it was asked many times). Each prompt's
+    tokens are counted once, when vLLM allocates, as vLLM counts its own connector
+    queries."""
+    from test_async_scheduling import Engine, _prompt, config_dir
 
-    from hybridkv.core.index import StoreIndex
-    from hybridkv.core.layout import GroupKind, GroupSpec, Layout
-    from hybridkv.core.planner import Planner
-    from hybridkv.core.policy import CheckpointPolicy
-    from hybridkv.vllm.scheduler_side import SchedulerSide
+    eng = Engine(config_dir(tmp_path_factory), False, num_blocks=32)
+    side = eng.side
+    asked: dict[str, int] = {}
+    lookup = side.num_new_matched_tokens
 
-    groups = (
-        GroupSpec(GroupKind.FULL, 16, 64, ("attn",)),
-        GroupSpec(GroupKind.STATE, 16, 32, ("gdn",)),
-    )
-    planner = Planner(groups)
-    side = SchedulerSide(
-        Layout("t", groups),
-        planner,
-        CheckpointPolicy("prompt_and_end", 16),
-        StoreIndex(1 << 20, disk=False, recurrent=True),
-        enabled=True,
-        below=False,
-    )
-    req = Request("r", list(range(1, 200)), SamplingParams(max_tokens=1), None)
-    for _ in range(5):  # allocation fails: still waiting
-        assert side.num_new_matched_tokens(req, 0) == 0
-    assert (side.stats.lookups, side.stats.miss_tokens) == (0, 0)
-    side.after_alloc(req, KVCacheBlocks(([], [])), 0)
-    assert side.stats.lookups == 1 and side.stats.lookups_by_tier == {"none": 1}
-    assert (side.stats.queried_tokens, side.stats.miss_tokens) == (199, 199)
-    side.after_alloc(req, KVCacheBlocks(([], [])), 0)  # again after a load: not a lookup
-    assert side.stats.lookups == 1
+    def counted(request, local_tokens):
+        asked[request.request_id] = asked.get(request.request_id, 0) + 1
+        return lookup(request, local_tokens)
+
+    side.num_new_matched_tokens = counted
+    eng.add("a", _prompt(200, 1), max_tokens=60)
+    eng.step()
+    eng.step()
+    eng.add("b", _prompt(200, 2), max_tokens=2)
+    eng.run()
+    assert asked["b"] > 2, asked  # it waited for room, asked every step
+    assert side.stats.lookups == 2 and side.stats.lookups_by_tier == {"none": 2}
+    assert side.stats.queried_tokens == side.stats.miss_tokens == 400
+    eng.check_settled()
 
 
 def test_every_stats_message_carries_every_ranks_gauges(tmp_path_factory):
