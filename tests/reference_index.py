@@ -1,7 +1,9 @@
 """The slow reference for tests/test_index_scale.py: core/index.py as it was at 2cd1352,
 before the index was split and made to cost O(log n) per change (issue 27). Only this
 docstring, the import of its eviction module (tests/reference_eviction.py) and of the
-data it shares with the index (stats, orders, reports: unchanged) differ.
+data it shares with the index (stats, orders, reports: unchanged) differ, and
+`admit_boundary`, which since refuses a boundary a chunk of which is nowhere and keeps
+its held states and its chunks while it makes room (as core/index.py does).
 What it keeps and why is core/index.py's and core/eviction.py's docstrings.
 """
 
@@ -177,7 +179,16 @@ class StoreIndex:
         if not new:
             self.touch(key for key, _ in states)
             return True
-        if not self._make_room(sum(n for _, n in new)):
+        if not all(self.known(key) for key in needs):
+            self.stats.unservable += 1
+            return False
+        keep = [key for key, _ in states if key in self._cpu] + list(needs)
+        self.pin(keep)
+        try:
+            room = self._make_room(sum(n for _, n in new))
+        finally:
+            self.unpin(keep)
+        if not room:
             self.stats.cpu_full += len(new)
             return False
         for key, nbytes in new:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hybridkv.core.boundary_graph import NO_NEEDS, NONE
 from hybridkv.core.ghosts import GHOSTS_MIN, GHOSTS_PER_ENTRY
-from hybridkv.core.index import StoreIndex
+from hybridkv.core.index import StoreIndex, WorkerReport
 from hybridkv.core.keys import group_key
 
 ATTN, STATE = 0, 1  # group ids: one attention group, one recurrent group (two in `states`)
@@ -107,6 +107,33 @@ def test_a_shared_head_stays_while_a_boundary_needs_it():
     out = evicted(index)
     assert out == {k for k, _ in states(1, 0)}  # chunk 0 is still needed by the other
     assert index.in_cpu(chunk(1, 0))
+
+
+def test_a_new_boundary_keeps_the_chunks_it_reads_while_room_is_made():
+    """Chain 1's boundary after chunk 1 is the only candidate when its longer boundary,
+    after chunk 3, is admitted; the new one reads chunks 0 and 1 too, so only the old
+    one's states go."""
+    index = StoreIndex(cpu_capacity=500, recurrent=True)
+    assert add_chain(index, 1, 2)  # 100 + 200 bytes
+    for c in (2, 3):
+        assert index.admit(chunk(1, c), 50)
+    index.pin([chunk(1, 2), chunk(1, 3)])  # the storing request's own chunks
+    index.take_orders()
+    assert boundary(index, 1, 3, parent=1)  # 100 free, 200 needed
+    assert evicted(index) == {k for k, _ in states(1, 1)}
+    assert all(index.in_cpu(chunk(1, c)) for c in range(4))
+    assert index.boundary_id(chunk(1, 3, STATE))
+
+
+def test_a_boundary_a_chunk_of_which_is_nowhere_is_not_admitted():
+    index = StoreIndex(cpu_capacity=1000, recurrent=True)
+    chunks(index, 1, 2)
+    needs = [chunk(1, c) for c in range(3)]  # chunk 2 was never stored
+    assert not index.admit_boundary(states(1, 2), needs, 30, 350)
+    assert index.stats.unservable == 1
+    assert not index.in_cpu(chunk(1, 2, STATE)) and index.ledger.used == 100
+    index.apply(0, WorkerReport(epoch=index.epoch, disk=[(chunk(1, 2), True)]))
+    assert index.admit_boundary(states(1, 2), needs, 30, 350)  # on disk: a hit promotes it
 
 
 def boundary(index: StoreIndex, chain: int, at: int, parent: int | None = None) -> bool:

@@ -75,7 +75,8 @@ def test_a_store_evicts_once_and_what_one_entry_at_a_time_would():
                 assert single.index.admit(kc.key, ATTN)
                 single.index.pin([kc.key])
                 st.owned.append(kc.key)
-        single._admit_boundary(keys_b, len(keys_b) * BLOCK, planned_b[-len(STATES) :])
+        end = len(keys_b) * BLOCK
+        single._admit_boundary(keys_b, end, planned_b[-len(STATES) :], single._needs(keys_b, end))
         assert [kc.key for kc in stored] == [kc.key for kc in planned]
         orders_a, orders_b = batched.index.take_orders(), single.index.take_orders()
         assert set(orders_a.evict) == set(orders_b.evict)
@@ -128,3 +129,38 @@ def test_a_boundary_with_one_state_left_is_admitted_whole():
     assert b is not None and set(index.graph.rows.state_keys(b)) == {lost, kept}
     assert index.in_cpu(lost) and index.in_cpu(kept)
     assert index.stats.cpu_evictions > 0
+
+
+def test_a_longer_turn_keeps_the_chunks_it_needs_when_its_store_evicts():
+    """A conversation's second turn stores its new chunks and a boundary at its end into
+    a tier that must evict for them; the only candidate is the first turn's boundary,
+    whose chunks the new one reads. Only that boundary's states go: the chunks stay, and
+    a third request repeating the second turn hits all of it. (They used to go with
+    their boundary, leaving the new one admitted with nothing to serve.)"""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    rng = random.Random(SEED)
+    print(f"seed {SEED}")
+    s = side()
+    index = s.index
+    params = SamplingParams(max_tokens=1)
+    first = [rng.randrange(1, 5000) for _ in range(rng.randint(10, 20) * BLOCK)]
+    second = first + [rng.randrange(1, 5000) for _ in range(rng.randint(4, 10) * BLOCK + 1)]
+    turns = [Request(f"turn{i}", p, params, None) for i, p in enumerate((first + [7], second))]
+    keys, planned = copies(s, turns[0])
+    assert s._admit(s._state(turns[0]), keys, planned)
+    s.request_finished(turns[0])
+    first_states = {group_key(keys[-1], g) for g in STATES}
+    index.take_orders()
+    keys, planned = copies(s, turns[1])
+    new = [kc for kc in planned if kc.key in set(index.unknown(kc.key for kc in planned))]
+    # Room for all but one state: the first turn's states (two) must go, nothing more.
+    index.capacity = index.ledger.used + sum(s.planner.entry_bytes(kc.copy.group) for kc in new)
+    index.capacity -= STATE
+    assert s._admit(s._state(turns[1]), keys, planned) == new
+    s.request_finished(turns[1])
+    assert set(index.take_orders().evict) == first_states
+    assert index.stats.unservable == 0
+    again = Request("again", second, params, None)
+    assert s.num_new_matched_tokens(again, 0) == len(keys) * BLOCK

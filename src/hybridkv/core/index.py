@@ -64,6 +64,7 @@ class IndexStats:
     failed_promotions: int = 0  # a rank could not read or verify the entry
     lost: int = 0  # entries a rank reported it does not hold after all (a failed store)
     cpu_full: int = 0  # entries not admitted to CPU memory: the rest of it was pinned
+    unservable: int = 0  # boundaries not admitted: a chunk a hit there reads is nowhere
     evicted_orphans: int = 0  # attention chunks evicted because no boundary needed them
     evicted_boundaries: int = 0  # boundaries evicted for their low utility
     evicted_superseded: int = 0  # boundaries evicted because one longer one served past them
@@ -167,6 +168,10 @@ class StoreIndex:
 
     def in_cpu(self, key: bytes) -> bool:
         return key in self.ledger.sizes and key not in self.ledger.promoting
+
+    def present(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Of `keys`, those counted in CPU memory (or on their way there): one call."""
+        return self.ledger.sizes.present(keys)
 
     def promoting(self, key: bytes) -> bool:
         return key in self.ledger.promoting
@@ -289,15 +294,18 @@ class StoreIndex:
         if not new:
             self.touch(key for key, _ in states)
             return True
-        # The states held already (left by a boundary one state of which was lost) stay
-        # while room is made for the others: evicting one would admit the boundary short.
+        missing = self.ledger.sizes.missing(needs)
+        if missing and self.unknown(missing):
+            # A chunk a hit here reads is nowhere (not admitted, or spilled this step and
+            # not reported yet): the states would hold budget and serve nothing.
+            self.stats.unservable += 1
+            return False
+        # Kept while room is made for the new states: the states held already (left by a
+        # boundary one state of which was lost: evicting one would admit the boundary
+        # short) and the chunks a hit here reads (the chain's previous boundary, a leaf,
+        # would otherwise go with them and leave this one unservable).
         held = [key for key, _ in states if key in self.ledger.sizes]
-        self.ledger.pin(held)
-        try:
-            room = self._make_room(sum(n for _, n in new))
-        finally:
-            self.ledger.unpin(held)
-        if not room:
+        if not self._make_room(sum(n for _, n in new), held + needs):
             self.stats.cpu_full += len(new)
             return False
         for key, nbytes in new:
@@ -343,15 +351,23 @@ class StoreIndex:
         their admissions; False, and nothing evicted, if they cannot."""
         return self._make_room(nbytes * self.ranks)
 
-    def _make_room(self, nbytes: int) -> bool:
-        """Evict until `nbytes` more fit; False, and nothing evicted, if they cannot."""
+    def _make_room(self, nbytes: int, keep: list[bytes] | None = None) -> bool:
+        """Evict until `nbytes` more fit, never one of `keep`; False, and nothing evicted,
+        if they cannot."""
         ledger = self.ledger
         if nbytes > ledger.capacity:
             return False
         free = ledger.capacity - ledger.used
         if free >= nbytes:
             return True
-        choice = self.policy.victims(nbytes - free)
+        if keep:  # pinned only now: nearly every admission fits without evicting
+            ledger.pin(keep)
+            try:
+                choice = self.policy.victims(nbytes - free)
+            finally:
+                ledger.unpin(keep)
+        else:
+            choice = self.policy.victims(nbytes - free)
         if choice is None:
             return False
         self._evict_keys(choice.keys)

@@ -808,29 +808,37 @@ class SchedulerSide:
         copied = fresh | (whole - in_cpu)
         to_cpu = [kc for kc in copies if kc.key in copied]
         entry_bytes = {kc.key: self.planner.entry_bytes(kc.copy.group) for kc in to_cpu}
-        index.pin(in_cpu)
+        C = self.planner.chunk_tokens
+        needs = {chunk: self._needs(keys, (chunk + 1) * C) for chunk in boundaries}
+        # Held until every entry is admitted: the states of a boundary admitted whole that
+        # CPU memory holds, and the chunks CPU memory holds that its hit reads (the
+        # chain's previous boundary, a leaf, would otherwise be evicted with them).
+        kept = [*in_cpu, *index.present(list(dict.fromkeys(k for n in needs.values() for k in n)))]
+        index.pin(kept)
         try:
             room = index.make_room(sum(entry_bytes.values()))
+            owned: list[bytes] = []  # admitted, to pin (at once: the admissions evict nothing)
+            for kc in to_cpu:
+                if index.recurrent and kc.copy.group in self._state_groups:
+                    continue  # with its boundary, below
+                if index.admit(kc.key, entry_bytes[kc.key]):
+                    out.append(kc)
+                    if index.recurrent:
+                        owned.append(kc.key)
+                        if not room:  # the next admission may evict: hold this one now
+                            self._own(st, owned)
+                elif spill and self.below:
+                    out.append(KeyedCopy(kc.key, kc.copy, cpu=False))
+            self._own(st, owned)
+            for chunk, states in boundaries.items():
+                if self._admit_boundary(keys, (chunk + 1) * C, states, needs[chunk]):
+                    out += [kc for kc in states if kc.key not in in_cpu]
+                elif spill and self.below:
+                    out += [
+                        KeyedCopy(kc.key, kc.copy, cpu=False) for kc in states if kc.key in fresh
+                    ]
         finally:
-            index.unpin(in_cpu)
-        owned: list[bytes] = []  # admitted, to pin (at once: the admissions evict nothing)
-        for kc in to_cpu:
-            if index.recurrent and kc.copy.group in self._state_groups:
-                continue  # with its boundary, below
-            if index.admit(kc.key, entry_bytes[kc.key]):
-                out.append(kc)
-                if index.recurrent:
-                    owned.append(kc.key)
-                    if not room:  # the next admission may evict: hold this one now
-                        self._own(st, owned)
-            elif spill and self.below:
-                out.append(KeyedCopy(kc.key, kc.copy, cpu=False))
-        self._own(st, owned)
-        for chunk, states in boundaries.items():
-            if self._admit_boundary(keys, (chunk + 1) * self.planner.chunk_tokens, states):
-                out += [kc for kc in states if kc.key not in in_cpu]
-            elif spill and self.below:
-                out += [KeyedCopy(kc.key, kc.copy, cpu=False) for kc in states if kc.key in fresh]
+            index.unpin(kept)
         return out
 
     def _own(self, st: _RequestState, keys: list[bytes]) -> None:
@@ -840,16 +848,22 @@ class SchedulerSide:
             st.owned += keys
             keys.clear()
 
-    def _admit_boundary(self, keys: list[bytes], boundary: int, states: list[KeyedCopy]) -> bool:
-        """Count a boundary's states into CPU memory, with what a hit there also reads,
-        what keeping it costs beyond the chain's previous boundary in CPU memory, and
-        that boundary (its parent)."""
-        C = self.planner.chunk_tokens
-        attention = self._attention_groups
+    def _needs(self, keys: list[bytes], boundary: int) -> list[bytes]:
+        """The attention entries a hit at `boundary` tokens reads besides the states."""
         needs: list[bytes] = []
-        for g in attention:
+        for g in self._attention_groups:
             suffix = group_key(b"", g)
             needs += [keys[c] + suffix for c in self.planner.needed_chunks(g, 0, boundary)]
+        return needs
+
+    def _admit_boundary(
+        self, keys: list[bytes], boundary: int, states: list[KeyedCopy], needs: list[bytes]
+    ) -> bool:
+        """Count a boundary's states into CPU memory, with what a hit there also reads
+        (`needs`), what keeping it costs beyond the chain's previous boundary in CPU
+        memory, and that boundary (its parent)."""
+        C = self.planner.chunk_tokens
+        attention = self._attention_groups
         # The chain's previous boundary: the nearest chunk before this one whose state
         # begins a boundary in CPU memory.
         suffix, last = group_key(b"", self._state_groups[0]), boundary // C - 2
