@@ -478,6 +478,47 @@ def test_a_fault_in_the_kv_events_turns_them_off_and_nothing_else(model_dir, mon
     eng.check_settled()
 
 
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_a_fault_planning_one_requests_stores_costs_its_stores_alone(
+    model_dir, monkeypatch, async_scheduling
+):
+    """A fault while one request's stores are planned (injected where it hurts most:
+    after its chunks were admitted to the index, when its decode-time state is staged;
+    no input makes the real code fail) costs that request's stores alone. Its neighbour's
+    stores in the same step go out, what it admitted is withdrawn (the index holds
+    exactly what the workers do), its tagged stores are dropped, and it stores no more.
+    (The whole step's stores used to be dropped, the index still counting them.)"""
+    from hybridkv.vllm.scheduler_side import SchedulerSide
+
+    stage = SchedulerSide._stage
+
+    def failing(self, st, keys, copies):
+        if st.request.request_id == "b" and copies:
+            raise RuntimeError("injected planning fault")
+        return stage(self, st, keys, copies)
+
+    eng = Engine(model_dir, async_scheduling)
+    monkeypatch.setattr(SchedulerSide, "_stage", failing)
+    a = eng.add("a", _prompt(40, 1), max_tokens=25)
+    b = eng.add("b", _prompt(23, 2), max_tokens=30)
+    eng.run()
+    assert a.num_tokens == 65 and b.num_tokens == 53
+    assert eng.side.stats.hook_errors == 1  # b's first decode-time state, then no more
+    stored = eng.stored()
+    assert all(key in stored for key in eng.state_keys(a, 64))
+    assert not any(key in stored for key in eng.state_keys(b, 48))
+    eng.check_entries()
+    eng.side.stats.hook_errors = 0
+    eng.check_settled()
+    assert eng.sched.reset_prefix_cache()
+    hits = eng.side.stats.hit_tokens
+    eng.add("a2", list(a.all_token_ids) + _prompt(10, 3), max_tokens=3)
+    eng.run()
+    assert eng.side.stats.hit_tokens - hits == 64 and eng.first_start["a2"] == 64
+    eng.check_entries()
+    eng.check_settled()
+
+
 @pytest.mark.parametrize("drop", [True, False], ids=["dropped", "delivered"])
 @pytest.mark.parametrize("async_scheduling", MODES)
 def test_abort_and_preemption_at_a_boundary_leave_nothing_behind(model_dir, async_scheduling, drop):

@@ -404,6 +404,14 @@ class StoreIndex:
                 self._sources.pop(key, None)
         self.policy.left(keys)
 
+    def withdraw(self, keys: list[bytes]) -> None:
+        """Forget entries admitted for stores that were never sent (planning them failed):
+        no worker holds them, but one may still hold an older copy it was told to evict
+        earlier this step, before the admission undid that order."""
+        keys = self.present(keys)
+        self._drop_cpu(keys)
+        self._evict.update(dict.fromkeys(keys))
+
     def delete(self, key: bytes) -> None:
         """Forget an entry worth nothing any more (a decode-time state its request staged,
         then replaced): the workers drop it from CPU memory, and no tier below ever had

@@ -21,8 +21,9 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 from hybridkv.core.index import StoreIndex, WorkerReport
@@ -203,6 +204,8 @@ class SchedulerSide:
         self._tagged: set[str] = set()  # requests with tagged stores
         # Tagged stores of finished requests, settled at finish: (index epoch, names).
         self._settled: list[tuple[int, RequestStore]] = []
+        # What the request being planned (`_guarded`) admitted to the index so far.
+        self._admitted: list[bytes] = []
         # Finished requests whose blocks vLLM keeps for the workers' stores, to name in
         # the next step's metadata; the blocks each schedule hands over; the steps built,
         # and by rank the newest whose stores have all landed.
@@ -574,46 +577,72 @@ class SchedulerSide:
         certainly hold them). A copy whose key's tokens are all known is keyed now; one
         whose key needs the token the step before is still sampling (async scheduling)
         is tagged, and named by a later step (`_settle`)."""
-        C = self.planner.chunk_tokens
         offers = self._state_offers(out)
         stores = []
         for req_id in set(out.num_scheduled_tokens) | set(offers):
             st = self._reqs.get(req_id)
             if st is None or st.ctx is None:
                 continue
-            req = st.request
-            n = out.num_scheduled_tokens.get(req_id, 0)
-            start = req.num_computed_tokens
-            known = req.num_tokens
-            limit = known + self._keyable_inputs(st, out)
-            end = min(start + n, limit)
-            chunks = range(st.stored_chunks, end // C) if n > 0 else range(0)
-            states = {b: c for b, c in offers.get(req_id, {}).items() if b <= limit}
-            block_ids = None
-            if n > 0 and end not in states and self._decode_boundary(req, start, end):
-                block_ids = self._manager.get_block_ids(req_id)
-                states[end] = self._decode_state(end, block_ids)
-            plan: list[tuple[int, EntryCopy, bool]] = []  # (tokens its key covers, copy, staged)
-            if chunks:
-                st.stored_chunks = max(st.stored_chunks, end // C)
-                if block_ids is None:
-                    block_ids = self._manager.get_block_ids(req_id)
-                plan += [
-                    ((c.chunk + 1) * C, c, False)
-                    for c in self.planner.store_plan(chunks, block_ids)
-                ]
-            for boundary, copies in states.items():
-                action = self.policy.decide(
-                    boundary, req.num_prompt_tokens, req.shared_prefix_boundary
-                )
-                if action is not None:
-                    plan += [(boundary, c, action is StateAction.STAGE) for c in copies]
-            keyed = self._name(st, [(c, staged) for e, c, staged in plan if e <= known])
-            tagged = self._tag(st, [(e, c, staged) for e, c, staged in plan if e > known])
-            if keyed or tagged:
-                st.stored_at = (req.num_preemptions, self._step)
-                stores.append(RequestStore(req_id, keyed, tagged))
+            store = self._guarded(st, partial(self._plan_request, st, out, offers.get(req_id, {})))
+            if store is not None:
+                stores.append(store)
         return stores
+
+    def _plan_request(
+        self, st: _RequestState, out: SchedulerOutput, offers: dict[int, list[EntryCopy]]
+    ) -> RequestStore | None:
+        """One request's part of `_plan_copies`."""
+        C = self.planner.chunk_tokens
+        req = st.request
+        req_id = req.request_id
+        n = out.num_scheduled_tokens.get(req_id, 0)
+        start = req.num_computed_tokens
+        known = req.num_tokens
+        limit = known + self._keyable_inputs(st, out)
+        end = min(start + n, limit)
+        chunks = range(st.stored_chunks, end // C) if n > 0 else range(0)
+        states = {b: c for b, c in offers.items() if b <= limit}
+        block_ids = None
+        if n > 0 and end not in states and self._decode_boundary(req, start, end):
+            block_ids = self._manager.get_block_ids(req_id)
+            states[end] = self._decode_state(end, block_ids)
+        plan: list[tuple[int, EntryCopy, bool]] = []  # (tokens its key covers, copy, staged)
+        if chunks:
+            st.stored_chunks = max(st.stored_chunks, end // C)
+            if block_ids is None:
+                block_ids = self._manager.get_block_ids(req_id)
+            copies = self.planner.store_plan(chunks, block_ids)
+            plan += [((c.chunk + 1) * C, c, False) for c in copies]
+        for boundary, offered in states.items():
+            action = self.policy.decide(boundary, req.num_prompt_tokens, req.shared_prefix_boundary)
+            if action is not None:
+                plan += [(boundary, c, action is StateAction.STAGE) for c in offered]
+        keyed = self._name(st, [(c, staged) for e, c, staged in plan if e <= known])
+        tagged = self._tag(st, [(e, c, staged) for e, c, staged in plan if e > known])
+        if not keyed and not tagged:
+            return None
+        st.stored_at = (req.num_preemptions, self._step)
+        return RequestStore(req_id, keyed, tagged)
+
+    def _guarded(
+        self, st: _RequestState, plan: Callable[[], RequestStore | None]
+    ) -> RequestStore | None:
+        """Plan one request's stores. An error costs that request's stores alone, not
+        the step's: what it admitted to the index is withdrawn (no store carries it, so
+        no worker holds it), its tagged stores are dropped, and it stores nothing more
+        (it would fail the same way every step)."""
+        self._admitted = []
+        try:
+            return plan()
+        except Exception:
+            req_id = st.request.request_id
+            log.exception("hybridkv: planning the stores of %s failed; it stores no more", req_id)
+            self.stats.hook_errors += 1
+            self.index.withdraw(self._admitted)
+            st.ctx = None
+            self._tagged.discard(req_id)
+            dropped, st.tagged = [TagName(t.tag, None) for t in st.tagged], []
+            return RequestStore(req_id, [], named=dropped) if dropped else None
 
     def _keyable_inputs(self, st: _RequestState, out: SchedulerOutput) -> int:
         """How many of the step's input tokens past those known its stores may still be
@@ -731,12 +760,17 @@ class SchedulerSide:
         stores = []
         for req_id in list(self._tagged):
             st = self._reqs.get(req_id)
-            names = self._settle(st, finished=False) if st is not None else []
-            if names:
-                stores.append(RequestStore(req_id, [], named=names))
+            if st is not None:
+                store = self._guarded(st, partial(self._named, st, False))
+                if store is not None:
+                    stores.append(store)
             if st is None or not st.tagged:
                 self._tagged.discard(req_id)
         return stores
+
+    def _named(self, st: _RequestState, finished: bool) -> RequestStore | None:
+        names = self._settle(st, finished)
+        return RequestStore(st.request.request_id, [], named=names) if names else None
 
     def _settle_finished(self) -> list[RequestStore]:
         """The names given at finish. They were admitted to the index then, so that the
@@ -753,17 +787,12 @@ class SchedulerSide:
         return stores
 
     def _finish_tagged(self, st: _RequestState) -> None:
-        req_id = st.request.request_id
-        self._tagged.discard(req_id)
+        self._tagged.discard(st.request.request_id)
         if not st.tagged:
             return
-        try:
-            names = self._settle(st, finished=True)
-        except Exception:
-            log.exception("hybridkv: naming the last stores of %s failed; they are dropped", req_id)
-            self.stats.hook_errors += 1
-            names = [TagName(t.tag, None) for t in st.tagged]
-        self._settled.append((self.index.epoch, RequestStore(req_id, [], named=names)))
+        store = self._guarded(st, partial(self._named, st, True))
+        if store is not None:
+            self._settled.append((self.index.epoch, store))
 
     def pending_tags(self) -> int:
         """Tagged stores not named or dropped yet: the workers hold an entry for each."""
@@ -823,6 +852,7 @@ class SchedulerSide:
                     continue  # with its boundary, below
                 if index.admit(kc.key, entry_bytes[kc.key]):
                     out.append(kc)
+                    self._admitted.append(kc.key)
                     if index.recurrent:
                         owned.append(kc.key)
                         if not room:  # the next admission may evict: hold this one now
@@ -832,7 +862,9 @@ class SchedulerSide:
             self._own(st, owned)
             for chunk, states in boundaries.items():
                 if self._admit_boundary(keys, (chunk + 1) * C, states, needs[chunk]):
-                    out += [kc for kc in states if kc.key not in in_cpu]
+                    admitted = [kc for kc in states if kc.key not in in_cpu]
+                    out += admitted
+                    self._admitted += [kc.key for kc in admitted]
                 elif spill and self.below:
                     out += [
                         KeyedCopy(kc.key, kc.copy, cpu=False) for kc in states if kc.key in fresh
