@@ -132,6 +132,9 @@ def test_identity_read_from_a_real_vllm_config(model_dir):
 
 def test_every_identity_setting_changes_the_fingerprint(model_dir, tmp_path):
     copy = Path(shutil.copytree(model_dir, tmp_path / "copy"))
+    config = tmp_path / "config"  # the same config, read from elsewhere
+    config.mkdir()
+    shutil.copy(copy / "config.json", config / "config.json")
     base = _vllm_config(copy)
 
     def fingerprint(vllm_config, physical: str | None = "LBHNC") -> bytes:
@@ -149,6 +152,14 @@ def test_every_identity_setting_changes_the_fingerprint(model_dir, tmp_path):
         "revision": fingerprint(_vllm_config(copy, revision="r1")),
         "hf_overrides": fingerprint(_vllm_config(copy, hf_overrides={"rope_theta": 5e5})),
         "load_format": fingerprint(_vllm_config(copy, load={"load_format": "dummy"})),
+        "max_model_len": fingerprint(_vllm_config(copy, max_model_len=64)),
+        "generation": fingerprint(
+            _vllm_config(copy, override_generation_config={"attn_temperature_tuning": True})
+        ),
+        "hf_config_path": fingerprint(_vllm_config(copy, hf_config_path=str(config))),
+        "loader_extra": fingerprint(
+            _vllm_config(copy, load={"model_loader_extra_config": {"tensorizer_uri": "s3://x"}})
+        ),
     }
     assert fingerprint(_vllm_config(copy)) == fps["base"]  # rebuilt: the same
     weights = copy / "model.safetensors"

@@ -14,6 +14,11 @@ from dataclasses import asdict, dataclass
 
 import blake3
 
+# In every layout's fingerprint: raise it whenever the bytes of an entry change for the
+# same layout and identity (the header, the canonical order of a page's pieces), so that
+# no reader takes older entries for newer ones. 9fece0d reordered kernel-split pages
+# without raising it; the identity fields added after it moved every engine's entries
+# to new directories, which the version would have done.
 FORMAT_VERSION = 1
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 import vllm
@@ -118,6 +119,7 @@ def layout_identity(
     overrides = model.hf_overrides
     if callable(overrides):  # a function edits the HF config: its name is all we know
         overrides = f"{overrides.__module__}.{overrides.__qualname__}"
+    load = vllm_config.load_config
     return (
         ("vllm_version", vllm.__version__),
         ("kv_cache_layout", physical),
@@ -127,15 +129,28 @@ def layout_identity(
         ("quantization", _json([model.quantization, model.quantization_config])),
         ("revision", str(model.revision or "")),
         ("hf_overrides", _json(overrides)),
-        ("load_format", str(vllm_config.load_config.load_format)),
-        (
-            "weights",
-            checkpoint_fingerprint(
-                model.model, model.revision, vllm_config.load_config.download_dir
-            ),
-        ),
+        ("load_format", str(load.load_format)),
+        ("model_loader_extra_config", _json(load.model_loader_extra_config)),
+        ("model_impl", str(model.model_impl)),
+        ("weights", checkpoint_fingerprint(model.model, model.revision, load.download_dir)),
+        ("model_weights", _located(model.model_weights)),
+        ("hf_config_path", _located(model.hf_config_path)),
+        # Models read these at construction: longrope (Phi-3) switches every position's
+        # rotary factors past the original context, Llama 4 tunes attention temperature
+        # past 32k tokens unless the generation config says otherwise.
+        ("max_model_len", str(model.max_model_len)),
+        ("generation_config", _located(model.generation_config)),
+        ("override_generation_config", _json(model.override_generation_config)),
         *_state_identity(kv_cache_config),
     )
+
+
+def _located(path: str | None) -> str:
+    """A setting that may name files (a config or weights folder): their fingerprint
+    where they are here (a rewrite changes it), else the value."""
+    if not path:
+        return ""
+    return checkpoint_fingerprint(path) if os.path.exists(path) else path
 
 
 def layout_from_vllm(vllm_config: Any, kv_cache_config: KVCacheConfig, model_id: str) -> Layout:
