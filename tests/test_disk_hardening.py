@@ -265,6 +265,35 @@ def test_huge_sparse_file_is_never_allocated(make_tier, recording_alloc):
     assert sizes == [] and tier.stats().corrupt == 1
 
 
+@pytest.mark.parametrize("found_by", ["lookup", "rescan"])
+def test_a_sparse_file_claiming_a_terabyte_evicts_nothing(make_tier, found_by):
+    """A file under an entry's name that another writer planted, of the size a header
+    could claim (sparse: no disk used), counts what the layout gives its entry: counting
+    its size emptied the tier at the next put. Its read is a counted miss."""
+    file_bytes = HEADER_BYTES + NBYTES
+    tier = make_tier(entry_bytes=[NBYTES], capacity=10 * file_bytes)
+    ours = {key(i): payload(i, NBYTES) for i in range(8)}
+    put_all(tier, ours)
+    other = make_tier(entry_bytes=[NBYTES])
+    put_all(other, {key(100): payload(100, NBYTES)})
+    other.close()
+    planted = entry_path(tier.dir, key(100))
+    try:
+        os.truncate(planted, 1 << 40)
+    except OSError as e:
+        pytest.skip(f"no sparse file of 1 TiB here: {e}")
+    if found_by == "lookup":
+        assert tier.contains(key(100))
+    else:
+        tier.rescan()
+    assert tier.stats().bytes_used == 9 * file_bytes
+    put_all(tier, {key(8): payload(8, NBYTES)})  # fits: nothing evicted
+    assert tier.stats().evictions == 0
+    for k, v in ours.items():
+        assert_entry(tier.get(k), v)
+    assert tier.get(key(100)) is None and tier.stats().corrupt == 1
+
+
 def test_store_from_config_checks_the_layouts_entry_size(tmp_path):
     layout = Layout("m", (GroupSpec(GroupKind.FULL, 16, 1024, ("l0",)),))
     config = HybridKVConfig.from_dict({"cpu_bytes": "1MiB", "disk_path": str(tmp_path)})

@@ -441,7 +441,9 @@ class DiskTier(QueuedTier):
                         if self._kept.get(key) == (st.st_dev, st.st_ino):
                             kept[key] = (st.st_dev, st.st_ino)
                         else:
-                            found.append((st.st_mtime_ns, key, st.st_size))
+                            found.append(
+                                (st.st_mtime_ns, key, self._counted_bytes(key, st.st_size))
+                            )
                 elif e.name.endswith(_TMP_SUFFIX) and self._is_leftover(e, now) and discard(e.path):
                     self.leftovers_removed += 1
             except (OSError, ValueError):
@@ -520,8 +522,9 @@ class DiskTier(QueuedTier):
             if self._gone(key):
                 return False
             if key not in self._index:
-                self._index[key] = st.st_size
-                self._used += st.st_size
+                size = self._counted_bytes(key, st.st_size)
+                self._index[key] = size
+                self._used += size
         return True
 
     @never_raises(lambda self, key: self._misses(1)[0])

@@ -109,6 +109,17 @@ class QueuedTier(Tier):
             return None
         return self._entry_bytes[split_group_key(key)[1]]
 
+    def _counted_bytes(self, key: bytes, size: int) -> int:
+        """What a file of `size` bytes found under `key`'s name counts against the
+        budget: the size the layout gives its entry, where the tier knows it. A file of
+        another size is damaged or foreign and fails its first read; a sparse one can
+        claim a terabyte on no disk, and counting that would evict every other entry."""
+        try:
+            payload = self._payload_bytes(key)
+        except (IndexError, ValueError):  # a group this layout does not have: never read
+            return 0
+        return size if payload is None else file_bytes(payload, self._mac_key is not None)
+
     def _read_checks(self, key: bytes) -> dict[str, Any]:
         """The keywords of `read_entry` / `decode_entry` for `key`'s entry."""
         return {
