@@ -236,6 +236,25 @@ def test_a_value_of_the_wrong_size_is_rejected_before_allocation(make_tier):
     assert reader.stats().corrupt == 1
 
 
+def test_a_header_claiming_thousands_of_parts_costs_no_second_round_trip(
+    make_tier, server, round_trips
+):
+    """A first part whose header claims another size than the layout gives the entry
+    (forged, by anyone who can write to the server) is rejected from that part alone:
+    taken at its word, every replica fetched up to 4,095 more names per lookup."""
+    nbytes = 3 * PART
+    tier = make_tier(max_entry_bytes=PART, entry_bytes=[nbytes])
+    store(tier, {key(1): payload(1, nbytes), key(2): payload(2, nbytes)})
+    client = server.client()
+    claim = 4000 * PART
+    client.setrange(tier.names(key(1))[0], 48, claim.to_bytes(8, "little"))
+    before = round_trips[0]
+    got = tier.get_many([key(1), key(2)])
+    assert round_trips[0] - before == 1
+    assert got[0] is None and same(got[1], payload(2, nbytes))
+    assert tier.stats().corrupt == 1
+
+
 # ---- faults ------------------------------------------------------------------------------------
 def test_server_killed_then_restarted_empty(make_tier, server, round_trips):
     tier = make_tier()

@@ -314,7 +314,7 @@ class RedisTier(QueuedTier):
         more: list[tuple[int, int]] = []
         for i, parts in values.items():
             if isinstance(parts, list) and parts[0] is not None:
-                n = self._parts_of(parts[0][:HEADER_BYTES], len(parts[0]))
+                n = self._parts_of(keys[i], parts[0][:HEADER_BYTES], len(parts[0]))
                 if n > len(parts):
                     more.append((i, n))
                 else:
@@ -330,12 +330,15 @@ class RedisTier(QueuedTier):
             else:
                 values[i].extend(rest)
 
-    @staticmethod
-    def _parts_of(head: bytes, length: int) -> int:
-        """How many parts an entry has whose first part is `length` bytes and begins
-        with `head` (1 for anything that is no split entry of ours)."""
+    def _parts_of(self, key: bytes, head: bytes, length: int) -> int:
+        """How many parts `key`'s entry has whose first part is `length` bytes and begins
+        with `head` (1 for anything that is no split entry of ours, or claims another
+        size than the layout gives it: a forged header would have every replica fetch
+        thousands of parts on its word)."""
         total = claimed_bytes(head)
         if total is None or total <= length or length < MIN_PART_BYTES:
+            return 1
+        if total != self._counted_bytes(key, total):
             return 1
         n = -(-total // length)
         return n if n <= MAX_PARTS else 1
@@ -469,7 +472,8 @@ class RedisTier(QueuedTier):
         counted = {}
         for key, length, head in zip(keys, replies[::2], replies[1::2], strict=True):
             whole = isinstance(length, int) and isinstance(head, bytes)
-            counted[key] = max(self._parts_of(head, length) if whole else 1, self._parts_hint(key))
+            parts = self._parts_of(key, head, length) if whole else 1
+            counted[key] = max(parts, self._parts_hint(key))
         return counted
 
     def _execute_plan(
