@@ -407,6 +407,40 @@ def test_gc_layout_removes_a_layout_without_entries(tmp_path, capsys):
     assert not (tmp_path / fp.hex()).exists()
 
 
+def test_verify_never_holds_a_payload_a_sparse_file_claims(tmp_path):
+    """A file under an entry's name whose header claims 2 GiB, as large as it says but
+    sparse (no disk): verify reports it damaged, streaming it through one piece's buffer
+    (the whole claim was allocated and read in; anyone who can write the directory
+    chooses the size)."""
+    fp = bytes(range(16))
+    tier = DiskTier(tmp_path, fp, {"model": "m"}, 1 << 30)
+    k = group_key(b"\x01" * KEY_BYTES, 0)
+    tier.put(k, torch.zeros(100, dtype=torch.int8))
+    tier.flush()
+    tier.close()
+    (path,) = entry_files(tmp_path)
+    claim = 2 << 30
+    with open(path, "r+b") as f:
+        f.seek(48)
+        f.write(claim.to_bytes(8, "little"))
+    try:
+        os.truncate(path, file_bytes(claim, False))
+    except OSError as e:
+        pytest.skip(f"no sparse file of 2 GiB here: {e}")
+    child = f"""
+import json, resource
+from hybridkv.core.inventory import open_store, verify
+store = open_store({str(tmp_path)!r})
+report = verify(store, store.inventory())
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({{"damaged": [vars(p) for p in report.damaged], "peak": peak}}))
+"""
+    result = subprocess.run([sys.executable, "-c", child], capture_output=True, check=True)
+    out = json.loads(result.stdout.decode().splitlines()[-1])
+    assert [d["reason"] for d in out["damaged"]] == ["checksum"]
+    assert out["peak"] < claim // 2, out["peak"]
+
+
 def test_inspect_reads_layout_json_as_text_not_markup(tmp_path, capsys):
     """layout.json is anyone's to write in a shared directory: rich markup in it is shown,
     never parsed (a stray closing tag crashed the table)."""

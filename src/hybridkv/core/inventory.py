@@ -288,8 +288,10 @@ class DiskStore:
     def check(self, layout: LayoutInventory, entry: Entry, mac_key: bytes | None) -> None:
         """Read and verify one entry as an engine would (raises EntryFileError, OSError).
         The payload size is checked against the header and the file, not the layout's:
-        the chunk size that sets it is the engine's, recorded nowhere in the store."""
-        read_entry(entry.where, bytes.fromhex(layout.fingerprint), entry.key, mac_key=mac_key)
+        the chunk size that sets it is the engine's, recorded nowhere in the store. So
+        the payload is never held whole: a sparse file can claim any size on no disk."""
+        fingerprint = bytes.fromhex(layout.fingerprint)
+        read_entry(entry.where, fingerprint, entry.key, mac_key=mac_key, keep=False)
 
     def close(self) -> None:
         """Nothing held."""

@@ -152,14 +152,18 @@ def read_entry(
     alloc: Callable[[int], torch.Tensor] = new_entry,
     mac_key: bytes | None = None,
     direct: bool = False,
+    keep: bool = True,
 ) -> torch.Tensor:
     """Read and verify one entry into `alloc(payload bytes)`.
 
     `payload_bytes`: the size an entry of this key has (None: whatever the header says,
     still checked against the file's size). `mac_key`: read only files with a MAC under
     this key (None: only files without one). `direct`: read past the page cache
-    (O_DIRECT; through it where the filesystem refuses). Raises EntryFileError, or
-    OSError (missing, I/O). A symbolic link is never followed; a FIFO never blocks.
+    (O_DIRECT; through it where the filesystem refuses). `keep` False: only verify, the
+    payload passing through one piece's buffer (returned, holding its last piece), so
+    that a header claiming any size the file has (sparse: no disk) costs no memory.
+    Raises EntryFileError, or OSError (missing, I/O). A symbolic link is never followed;
+    a FIFO never blocks.
     """
     try:
         fd, st = open_regular(path)
@@ -168,7 +172,7 @@ def read_entry(
     with open(fd, "rb", buffering=0) as f:
         source = _DirectFile(fd) if direct and _set_direct(fd, True) else f
         try:
-            return _read(source, st.st_size, fingerprint, key, payload_bytes, alloc, mac_key)
+            return _read(source, st.st_size, fingerprint, key, payload_bytes, alloc, mac_key, keep)
         except EntryFileError as e:
             e.file_id = (st.st_dev, st.st_ino)
             raise
@@ -315,6 +319,7 @@ def _read(
     payload_bytes: int | None,
     alloc: Callable[[int], torch.Tensor],
     mac_key: bytes | None,
+    keep: bool = True,
 ) -> torch.Tensor:
     head = f.read(HEADER_BYTES)
     if len(head) < _PREFIX.size:
@@ -343,18 +348,19 @@ def _read(
             "keyed" if keyed else "unkeyed",
             "written with an integrity key" if keyed else "written without an integrity key",
         )
-    out = alloc(n)
+    out = alloc(n) if keep else new_entry(min(n, _READ_PIECE))
     view = memoryview(out.numpy()).cast("B")
     h = xxhash.xxh3_64(head[:_CHECKSUMMED])
     mac = blake3.blake3(head, key=mac_key) if mac_key is not None else None
     got = 0
     while got < n:
-        r = f.readinto(view[got : got + _READ_PIECE])
+        at = got if keep else 0
+        r = f.readinto(view[at : at + min(_READ_PIECE, n - got)])
         if not r:
             raise EntryFileError("truncated", f"file ended after {got} of {n} bytes")
-        h.update(view[got : got + r])  # while the piece is still in cache
+        h.update(view[at : at + r])  # while the piece is still in cache
         if mac is not None:
-            mac.update(view[got : got + r])
+            mac.update(view[at : at + r])
         got += r
     if h.intdigest() != checksum:
         raise EntryFileError("checksum", "payload or header changed since written")
