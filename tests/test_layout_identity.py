@@ -340,3 +340,38 @@ def test_checkpoint_fingerprint_of_a_hub_id_uses_its_cached_snapshot(tmp_path):
     assert fp == checkpoint_fingerprint(str(snapshot)) != ""
     assert checkpoint_fingerprint("org/other", None, str(cache)) == ""
     assert checkpoint_fingerprint("/no/such/dir") == ""
+
+
+def _spec(kind: str):
+    from vllm.v1.kv_cache_interface import RSWASpec, SinkFullAttentionSpec, SlidingWindowMLASpec
+
+    common = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+    return {
+        "sink": lambda: SinkFullAttentionSpec(**common, sink_len=16),
+        "rswa": lambda: RSWASpec(**common, rswa_window=64),
+        "bounded_replay": lambda: SlidingWindowMLASpec(
+            block_size=16,
+            num_kv_heads=1,
+            head_size=64,
+            dtype=torch.bfloat16,
+            sliding_window=64,
+            bounded_replay=True,
+        ),
+        "compressed": lambda: FullAttentionSpec(**common, tokens_per_state=4),
+    }[kind]()
+
+
+@pytest.mark.parametrize("kind", ["sink", "rswa", "bounded_replay", "compressed"])
+def test_layer_kinds_whose_blocks_hold_more_than_their_tokens_are_refused(model_dir, kind):
+    """Sink blocks ahead of a request's tokens, decode-time blocks freed and masked, a
+    bounded replay vLLM does not prefix-cache, a state per several tokens: the planner's
+    block-per-tokens arithmetic would store and restore the wrong blocks, so the engine
+    does not start with hybridkv rather than serve them."""
+    config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], _spec(kind))],
+        kv_cache_layout="LBHNC",
+    )
+    with pytest.raises(UnsupportedLayout, match="KV cache spec"):
+        layout_from_vllm(_vllm_config(model_dir), config, "m")

@@ -16,6 +16,8 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
     iter_layer_specs,
 )
@@ -35,6 +37,32 @@ def _layer_page_bytes(spec: KVCacheSpec) -> int:
     if isinstance(spec, AttentionSpec):
         return spec.unpadded_page_size_bytes
     raise UnsupportedLayout(f"KV cache spec {type(spec).__name__} is not supported")
+
+
+# The layer kinds whose blocks hybridkv knows to hold a block's tokens in order (or a
+# recurrent state) and nothing else, as vLLM's prefix cache treats them. Subclasses of
+# these differ where it matters: sink blocks ahead of a request's tokens
+# (`SinkFullAttentionSpec`), decode-time blocks freed and masked (`RSWASpec`), hidden
+# states for a connector of their own. Refused at start, never stored by guesswork.
+_SUPPORTED_SPECS = (
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    SlidingWindowMLASpec,
+    MambaSpec,
+)
+
+
+def _check_spec(spec: KVCacheSpec) -> None:
+    name = type(spec).__name__
+    if type(spec) not in _SUPPORTED_SPECS:
+        raise UnsupportedLayout(f"KV cache spec {name} is not supported")
+    if not spec.prefix_cacheable or spec.prefix_replay_tokens:
+        raise UnsupportedLayout(f"KV cache spec {name} is not prefix-cacheable")
+    if isinstance(spec, AttentionSpec) and spec.tokens_per_state != 1:
+        raise UnsupportedLayout(
+            f"KV cache spec {name} keeps a state per {spec.tokens_per_state} tokens"
+        )
 
 
 def _kind(spec: KVCacheSpec) -> tuple[GroupKind, int | None]:
@@ -158,7 +186,10 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: KVCacheConfig, model_id:
     for group, pages in zip(
         kv_cache_config.kv_cache_groups, group_layer_pages(kv_cache_config), strict=True
     ):
-        first = next(iter(iter_layer_specs(group.kv_cache_spec)))
+        specs = list(iter_layer_specs(group.kv_cache_spec))
+        for spec in specs:
+            _check_spec(spec)
+        first = specs[0]
         kind, window = _kind(first)
         groups.append(
             GroupSpec(
