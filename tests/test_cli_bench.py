@@ -79,6 +79,7 @@ def test_bench_hit_rate_quick(model_dirs, tmp_path):
     # what vLLM's prefix cache no longer holds.
     assert f["connector_hit_rate"] > 0 and f["loaded_bytes"] > 0
     assert f["token_hit_rate"] == pytest.approx(f["local_hit_rate"] + f["connector_hit_rate"])
+    assert f["faults"] == 0  # no hit counted here was a failed load recomputed
     # The oracle bounds what a real engine hit, replayed in order.
     assert run["raw"]["in_order"] and f["token_hit_rate"] <= f["oracle_hit_rate"]
     assert f["of_oracle"] == pytest.approx(f["token_hit_rate"] / f["oracle_hit_rate"])
@@ -144,11 +145,65 @@ def test_hit_rate_reuses_only_comparable_runs_of_other_systems(tmp_path):
     assert now["reused"]["systems"] == ["none", "vllm-offload"]
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         reuse(result(8, "hybridkv"), earlier)
+    with pytest.raises(ValueError, match="vllm_version"):
+        reuse({**result(4, "hybridkv"), "vllm_version": "0.33.0"}, earlier)
     # A directory that is not there fails before any engine runs.
     from hybridkv.benchmarks.hit_rate import HitRateSettings
 
     with pytest.raises(ValueError, match="reuse_runs"):
         HitRateSettings(reuse_runs=tmp_path / "missing")
+
+
+def test_engine_processes_take_no_hybridkv_settings_from_the_shell(tmp_path, monkeypatch):
+    """A `HYBRIDKV_DISK_PATH` left in the shell would give the hybridkv runs of a
+    benchmark a disk tier beyond the budget the others get; only HYBRIDKV_HOME (where
+    models are) reaches the engine processes."""
+    from hybridkv.benchmarks.figures import engine_process
+
+    (tmp_path / "show_env.py").write_text(
+        "import json, os\n"
+        "names = sorted(k for k in os.environ if k.startswith('HYBRIDKV_'))\n"
+        "print('RESULT ' + json.dumps(names))\n"
+    )
+    monkeypatch.setenv("HYBRIDKV_DISK_PATH", str(tmp_path / "disk"))
+    monkeypatch.setenv("HYBRIDKV_CPU_BYTES", "1GiB")
+    monkeypatch.setenv("HYBRIDKV_HOME", str(tmp_path / "home"))
+    names = engine_process("show_env", {}, "env", pythonpath=tmp_path)
+    assert names == ["HYBRIDKV_HOME"]
+
+
+def test_hit_rate_table_divides_unrounded_shares_and_flags_faults():
+    """The ratio to vLLM's connector comes from the unrounded shares (agentic at 3 MiB
+    was once divided by hand from 0.026 / 0.017); a run with failed loads is flagged:
+    vLLM's prefill stats count a recomputed hit as one."""
+    from hybridkv.benchmarks.hit_rate import table
+
+    def run(system: str, conn: float, faults: int | None) -> dict:
+        figures = {
+            "system": system,
+            "budget_bytes": 3 << 20,
+            "token_hit_rate": 0.6,
+            "local_hit_rate": 0.6 - conn,
+            "connector_hit_rate": conn,
+            "requests_with_hit": 1,
+            "requests": 2,
+            "ttft_p50_s": 0.1,
+            "ttft_p90_s": 0.2,
+            "stored_bytes": None,
+            "loaded_bytes": None,
+            "faults": faults,
+        }
+        return {"figures": figures}
+
+    trace = {"name": "agentic", "requests": 2, "prompt_tokens": 10, "reuse_bound": 0.8}
+    result = {
+        "trace": {**trace, "block": 256},
+        "runs": [run("hybridkv", 0.02649, 2), run("vllm-offload", 0.01651, None)],
+    }
+    out = table(result)
+    assert "connector share at 3 MiB: hybridkv 1.60x vllm-offload's" in out
+    assert "WARNING: hybridkv at 3 MiB had 2 failed loads" in out
+    assert "vllm-offload at 3 MiB had" not in out
 
 
 if __name__ == "__main__":

@@ -50,6 +50,11 @@ def write_result(result: dict[str, Any], path: Path, draw: Callable[[Any], None]
     return png
 
 
+def _setting(name: str) -> bool:
+    """A variable hybridkv's config reads (HYBRIDKV_HOME only says where models are)."""
+    return name.startswith("HYBRIDKV_") and name != "HYBRIDKV_HOME"
+
+
 def engine_process(
     module: str,
     spec: dict[str, Any],
@@ -63,8 +68,10 @@ def engine_process(
     (`hybridkv.forked`: a run starts about 13 s sooner on 2 cores) where it may fork, else
     a fresh interpreter; `pythonpath` (another hybridkv source, run there) always gets a
     fresh one. The child's output is appended to `log`, and its tail is raised if it
-    fails."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    fails. hybridkv's settings come from `spec` alone: a `HYBRIDKV_*` variable left in
+    the shell (a disk or Redis tier, say) would give one system tiers the others lack."""
+    env = {k: v for k, v in os.environ.items() if not _setting(k)}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if pythonpath is None:
         forked.preload()
         fork = forked.can_fork()

