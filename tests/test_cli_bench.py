@@ -55,6 +55,10 @@ def test_bench_ttft_quick_restores_from_cpu_disk_and_after_a_restart(model_dirs,
     # from the disk the first engine wrote.
     assert all(h == native for h in result["phases"]["restart"]["modes"]["restart"]["hit"])
     assert "restart: hybridkv" in proc.stdout
+    # The summary's ratios, printed rather than divided by hand.
+    cold = figures["cold"]["ttft_p50_s"]
+    assert f"cold / restored p50: cpu {cold / figures['cpu']['ttft_p50_s']:.1f}x" in proc.stdout
+    assert "every attention layer over the" in proc.stdout
     check_png(out.with_suffix(".png"))
 
 

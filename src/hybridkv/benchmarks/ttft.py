@@ -230,6 +230,23 @@ def table(result: dict[str, Any]) -> str:
             f"{LABELS[mode]:26}{f['ttft_p50_s'] * 1e3:9.1f}{f['ttft_p90_s'] * 1e3:9.1f}"
             f"{ratio}{f['hit_tokens']:12}{f['loaded_bytes'] / 1e6:11.1f}"
         )
+    figs = result["figures"]
+    cold = figs.get("cold")
+    restored = [m for m in ("cpu", "disk", "redis") if m in figs and figs[m]["ttft_p50_s"]]
+    if cold is not None and restored:
+        lines.append(
+            "cold / restored p50: "
+            + ", ".join(f"{m} {cold['ttft_p50_s'] / figs[m]['ttft_p50_s']:.1f}x" for m in restored)
+        )
+    per_token = result["phases"]["first"].get("attention_bytes_per_token")
+    cpu = figs.get("cpu")
+    if per_token and cpu is not None and cpu["loaded_bytes"]:
+        every = per_token * cpu["hit_tokens"]
+        lines.append(
+            f"hybridkv CPU loaded {cpu['loaded_bytes'] / 1e6:.1f} MB; every attention layer"
+            f" over the {cpu['hit_tokens']} tokens hit holds {every / 1e6:.1f} MB"
+            f" ({every / cpu['loaded_bytes']:.2f}x)"
+        )
     if s["redis_url"] is not None:
         trips = ", ".join(
             f"{name} {ph['redis_round_trips_per_request']:.2f}"
