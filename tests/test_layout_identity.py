@@ -160,6 +160,7 @@ def test_every_identity_setting_changes_the_fingerprint(model_dir, tmp_path):
         "loader_extra": fingerprint(
             _vllm_config(copy, load={"model_loader_extra_config": {"tensorizer_uri": "s3://x"}})
         ),
+        "code_revision": fingerprint(_vllm_config(copy, code_revision="c1")),
     }
     assert fingerprint(_vllm_config(copy)) == fps["base"]  # rebuilt: the same
     weights = copy / "model.safetensors"
@@ -375,3 +376,20 @@ def test_layer_kinds_whose_blocks_hold_more_than_their_tokens_are_refused(model_
     )
     with pytest.raises(UnsupportedLayout, match="KV cache spec"):
         layout_from_vllm(_vllm_config(model_dir), config, "m")
+
+
+def test_multimodal_settings_for_every_request_are_in_the_identity():
+    """An engine-wide processor or media setting changes an item's embeddings while its
+    placeholder tokens stay alike: engines differing there must not share entries."""
+    from vllm.config import MultiModalConfig
+
+    from hybridkv.vllm.layout import _multimodal_identity
+
+    base = _multimodal_identity(MultiModalConfig())
+    assert _multimodal_identity(None) == ()
+    for change in (
+        {"mm_processor_kwargs": {"num_crops": 4}},
+        {"media_io_kwargs": {"video": {"num_frames": 8}}},
+        {"video_pruning_rate": 0.5},
+    ):
+        assert _multimodal_identity(MultiModalConfig(**change)) != base, change

@@ -169,8 +169,29 @@ def layout_identity(
         ("max_model_len", str(model.max_model_len)),
         ("generation_config", _located(model.generation_config)),
         ("override_generation_config", _json(model.override_generation_config)),
+        ("code_revision", str(model.code_revision or "")),
+        *_multimodal_identity(model.multimodal_config),
         *_state_identity(kv_cache_config),
     )
+
+
+# What a multimodal engine sets for all requests that changes an item's embeddings (and
+# so the KV after it) while its placeholder tokens, and vLLM's item hash, may stay alike.
+_MULTIMODAL = (
+    "media_io_kwargs",
+    "mm_processor_kwargs",
+    "mm_device_do_normalize",
+    "mm_encoder_attn_dtype",
+    "mm_encoder_fp8_scale_path",
+    "video_pruning_rate",
+    "video_pruning_method",
+)
+
+
+def _multimodal_identity(config: Any) -> tuple[tuple[str, str], ...]:
+    if config is None:
+        return ()
+    return (("multimodal", _json({k: getattr(config, k, None) for k in _MULTIMODAL})),)
 
 
 def _located(path: str | None) -> str:
