@@ -216,6 +216,27 @@ def test_tiered_store_falls_through_tiers_in_order():
     assert fast.stats().entries == slow.stats().entries == 0
 
 
+def test_stored_bytes_count_what_a_tier_took_to_write(tmp_path):
+    """A put of an entry a tier holds already (a lower tier's hit copied up, a store
+    planned twice) writes nothing there, and is not counted as written."""
+    from hybridkv.core.keys import group_key
+    from hybridkv.core.tiers.disk import DiskTier
+
+    cpu = MemoryTier(1000)
+    disk = DiskTier(tmp_path, bytes(16), {"model": "m"}, 1 << 20)
+    store = TieredStore([cpu, disk])
+    k = group_key(key(1), 0)
+    try:
+        assert store.put(k, entry(10))
+        assert store.put(k, entry(10))
+        disk.flush()
+        cpu.delete(k)
+        assert store.get(k) is not None  # read from disk, put into CPU memory again
+        assert store.stored_bytes == {cpu.name: 20, disk.name: 10}
+    finally:
+        store.close()
+
+
 def test_tiered_store_needs_a_tier():
     with pytest.raises(ValueError):
         TieredStore([])

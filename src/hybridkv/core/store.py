@@ -140,10 +140,11 @@ class TieredStore:
         return next((t for t in self.tiers if t.name == name), None)
 
     def _put(self, tier: Tier, key: bytes, entry: torch.Tensor) -> bool:
-        """`tier.put`, counting the bytes the tier accepted (callers serialize: the
-        worker calls its store under its lock)."""
+        """`tier.put`, counting the bytes the tier accepted to write (not a put of what it
+        held already; callers serialize: the worker calls its store under its lock)."""
+        held = tier.knows(key)
         stored = tier.put(key, entry)
-        if stored:
+        if stored and not held:
             self.stored_bytes[tier.name] += entry.numel() * entry.element_size()
         return stored
 

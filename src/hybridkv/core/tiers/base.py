@@ -50,6 +50,11 @@ class Tier(ABC):
     def put(self, key: bytes, entry: torch.Tensor) -> bool:
         """Store an entry the caller hands over; False if it was not stored."""
 
+    def knows(self, key: bytes) -> bool:
+        """Whether a `put` of `key` would find it held already and write nothing, as far
+        as the tier knows without I/O (False where it always writes)."""
+        return False
+
     @abstractmethod
     def delete(self, key: bytes) -> bool: ...
 

@@ -588,6 +588,11 @@ class DiskTier(QueuedTier):
                 return False
             return self._enqueue(key, entry, size)
 
+    @never_raises(lambda self, key: False)
+    def knows(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index or key in self._pending
+
     @never_raises()
     def clear(self) -> None:
         """Drop queued writes and forget the files this tier wrote; a writer thread

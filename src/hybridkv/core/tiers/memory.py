@@ -61,6 +61,10 @@ class MemoryTier(Tier):
             self._stats.puts += 1
             return True
 
+    def knows(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._entries
+
     def delete(self, key: bytes) -> bool:
         with self._lock:
             old = self._entries.pop(key, None)
