@@ -84,6 +84,8 @@ def test_bad_config_fails_at_start_naming_the_key(model_dirs, engine_factory, ex
         ({"distributed_executor_backend": "ray"}, "distributed_executor_backend"),
         ({"distributed_executor_backend": "external_launcher"}, "distributed_executor_backend"),
         ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, None),
+        ({"tensor_parallel_size": 63, "distributed_executor_backend": "mp"}, None),
+        ({"tensor_parallel_size": 64, "distributed_executor_backend": "mp"}, "tensor_parallel"),
         ({"distributed_executor_backend": "uni"}, None),
     ],
 )

@@ -166,6 +166,37 @@ def test_keytable_refuses_what_it_cannot_hold():
     assert len(t) == 0
 
 
+def test_a_listing_is_the_table_as_it_was_whatever_a_collection_runs():
+    """Making `items`' tuples may run a collection, and a finaliser it runs may grow the
+    table (a part rehashes): the listing used to walk the new layout on, listing keys
+    twice."""
+    import gc
+
+    t = KeyTable()
+    for i in range(2000):
+        t[b"k%d" % i] = i
+    grown = []
+
+    class Grows:
+        def __del__(self):
+            for i in range(2000, 40000):
+                t[b"k%d" % i] = i
+            grown.append(True)
+
+    g = Grows()
+    g.cycle = g  # freed by a collection, not at once
+    del g
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        items = t.items()
+    finally:
+        gc.set_threshold(*threshold)
+    assert grown and len(t) == 40000  # the finaliser ran while the tuples were made
+    keys = [k for k, _ in items]
+    assert len(set(keys)) == len(keys) == 2000
+
+
 def test_keytable_bytes_per_key():
     """What a million-entry tier costs per key: 32-byte slots at a load of 3/8 to 3/4."""
     t = KeyTable()

@@ -88,6 +88,11 @@ def test_a_malformed_table_is_refused():
     with pytest.raises(ValueError):
         _rowcopy.copy(np.zeros((4, 6), dtype=np.int64)[:, :3], False)  # not contiguous
     assert not buf.any()
+    src, dst = np.arange(8, dtype=np.int8), np.zeros(8, dtype=np.int8)
+    rows = np.array([[dst.ctypes.data, src.ctypes.data, 8], [0, 0, -1]], dtype=np.int64)
+    with pytest.raises(ValueError, match="negative"):  # memcpy took it for ~2**64 bytes
+        _rowcopy.copy(rows, False)
+    assert not dst.any()  # checked before any row is copied
 
 
 def test_a_forked_child_copies_on_threads_of_its_own():

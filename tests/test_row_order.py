@@ -111,9 +111,12 @@ def test_row_queue_equals_a_list(ops):
 
 def test_row_order_refuses_what_would_break_it():
     """A change while iterating raises (as a dict's iterator does) instead of reading a
-    chunk the change freed; a bad load, a bad argument or an absent item raises and
-    changes nothing."""
+    chunk the change freed; a bad load, a bad argument, a NaN key (unordered: bisection
+    past it went astray) or an absent item raises and changes nothing."""
     order = RowOrder(load=1)
+    with pytest.raises(ValueError, match="NaN"):
+        order.add(float("nan"), 0, 1)
+    assert len(order) == 0
     for seq in range(10):
         order.add(float(seq % 3), seq, 100 + seq)
     items = list(order)

@@ -396,37 +396,45 @@ static PyObject *KeyTable_pop_many(KeyTable *t, PyObject *const *args, Py_ssize_
 enum { KEYS, VALUES, ITEMS };
 
 static PyObject *listing(KeyTable *t, int what) {
-    PyObject *out = PyList_New(t->size);
-    if (out == NULL)
-        return NULL;
-    Py_ssize_t k = 0, n = PyList_GET_SIZE(out);
+    /* The slots copied out first: making a Python object may run a collection, and so
+     * Python code that changes the table (a growing part rehashes: a walk over it would
+     * list some keys twice). The list then holds the table as it was when called. */
+    Py_ssize_t n = t->size;
+    Slot *copy = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Slot));
+    if (copy == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t k = 0;
     for (int i = 0; i < PARTS; i++) {
         Part *p = &t->parts[i];
         for (size_t j = 0; j <= p->mask && k < n; j++) {
-            if (p->slots[j].len == EMPTY)
-                continue;
-            /* A copy first: making a tuple may run a collection, and so Python code. */
-            Slot s = p->slots[j];
-            PyObject *item;
-            if (what == VALUES) {
-                item = PyLong_FromLongLong(s.value);
-            } else if (what == KEYS) {
-                item = PyBytes_FromStringAndSize((const char *)s.key, s.len);
-            } else {
-                item = Py_BuildValue("(y#L)", (const char *)s.key, (Py_ssize_t)s.len,
-                                     (long long)s.value);
-            }
-            if (item == NULL) {
-                Py_DECREF(out);
-                return NULL;
-            }
-            PyList_SET_ITEM(out, k++, item);
+            if (p->slots[j].len != EMPTY)
+                copy[k++] = p->slots[j];
         }
     }
-    if (k < n && PyList_SetSlice(out, k, n, NULL) < 0) { /* keys taken out meanwhile */
-        Py_DECREF(out);
+    PyObject *out = PyList_New(k);
+    if (out == NULL) {
+        PyMem_Free(copy);
         return NULL;
     }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        const Slot *s = &copy[i];
+        PyObject *item;
+        if (what == VALUES) {
+            item = PyLong_FromLongLong(s->value);
+        } else if (what == KEYS) {
+            item = PyBytes_FromStringAndSize((const char *)s->key, s->len);
+        } else {
+            item = Py_BuildValue("(y#L)", (const char *)s->key, (Py_ssize_t)s->len,
+                                 (long long)s->value);
+        }
+        if (item == NULL) {
+            PyMem_Free(copy);
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    PyMem_Free(copy);
     return out;
 }
 

@@ -61,6 +61,13 @@ static PyObject *copy(PyObject *self, PyObject *args) {
     }
     const int64_t *rows = (const int64_t *)view.buf;
     Py_ssize_t n = view.shape[0];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (rows[3 * i + 2] < 0) { /* memcpy would take it for a size near 2**64 */
+            PyBuffer_Release(&view);
+            PyErr_Format(PyExc_ValueError, "row %zd copies a negative byte count", i);
+            return NULL;
+        }
+    }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         copy_row((char *)(intptr_t)rows[3 * i], (const char *)(intptr_t)rows[3 * i + 1],

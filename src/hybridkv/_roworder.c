@@ -18,6 +18,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <string.h>
 
 typedef struct {
@@ -81,8 +82,13 @@ static void drop_chunk(RowOrder *o, Py_ssize_t i) {
 }
 
 /* The first chunk whose last item is not before (key, seq), the last chunk if none is
- * (o->count > 0); then the first place in it not before (key, seq). */
+ * (o->count > 0); then the first place in it not before (key, seq). The only chunk may
+ * be empty (the first `add`): its place is 0, and it has no last item to read. */
 static void find(RowOrder *o, double key, long long seq, Py_ssize_t *chunk, Py_ssize_t *at) {
+    if (o->count == 1 && o->chunks[0]->n == 0) {
+        *chunk = *at = 0;
+        return;
+    }
     Py_ssize_t lo = 0, hi = o->count;
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi) / 2;
@@ -116,6 +122,10 @@ static int parse_key(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, d
     *key = PyFloat_AsDouble(args[0]);
     if (*key == -1.0 && PyErr_Occurred())
         return -1;
+    if (isnan(*key)) { /* unordered: every bisection past it would go astray */
+        PyErr_SetString(PyExc_ValueError, "a NaN key has no place in the order");
+        return -1;
+    }
     *seq = PyLong_AsLongLong(args[1]);
     if (*seq == -1 && PyErr_Occurred())
         return -1;

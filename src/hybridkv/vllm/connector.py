@@ -95,6 +95,7 @@ T = TypeVar("T")
 # keeps the share; this only stops runaway growth (a step's stores land before its
 # evictions).
 _CPU_BOUND_FACTOR = 2
+MAX_RANKS = 63
 # vLLM's prefix-caching hashes whose block hashes may stand for a prefix's tokens.
 _SAFE_BLOCK_HASHES = ("sha256", "sha256_cbor")
 
@@ -112,6 +113,13 @@ def check_process_layout(vllm_config: VllmConfig) -> None:
         raise ConfigError(
             f"data_parallel_size: hybridkv is not tested with data parallelism yet "
             f"(got {pc.data_parallel_size}); run separate servers instead"
+        )
+    if pc.tensor_parallel_size > MAX_RANKS:
+        # The index keeps which ranks hold an entry on disk as a bit per rank in a
+        # 64-bit signed table value.
+        raise ConfigError(
+            f"tensor_parallel_size: hybridkv supports at most {MAX_RANKS} ranks "
+            f"(got {pc.tensor_parallel_size})"
         )
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         # A manager block then spans block_size x ranks tokens over the ranks, while
