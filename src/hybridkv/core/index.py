@@ -346,6 +346,10 @@ class StoreIndex:
         self._evict.pop(key, None)
         self._delete.pop(key, None)
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether entries of `nbytes` on one rank fit without evicting."""
+        return self.ledger.capacity - self.ledger.used >= nbytes * self.ranks
+
     def make_room(self, nbytes: int) -> bool:
         """Evict (by the policy) until entries of `nbytes` on one rank fit, ahead of
         their admissions; False, and nothing evicted, if they cannot."""

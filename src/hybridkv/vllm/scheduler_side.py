@@ -839,13 +839,17 @@ class SchedulerSide:
         entry_bytes = {kc.key: self.planner.entry_bytes(kc.copy.group) for kc in to_cpu}
         C = self.planner.chunk_tokens
         needs = {chunk: self._needs(keys, (chunk + 1) * C) for chunk in boundaries}
+        total = sum(entry_bytes.values())
         # Held until every entry is admitted: the states of a boundary admitted whole that
-        # CPU memory holds, and the chunks CPU memory holds that its hit reads (the
-        # chain's previous boundary, a leaf, would otherwise be evicted with them).
-        kept = [*in_cpu, *index.present(list(dict.fromkeys(k for n in needs.values() for k in n)))]
+        # CPU memory holds, and, where admitting evicts, the chunks CPU memory holds that
+        # its hit reads (the chain's previous boundary, a leaf, would otherwise be evicted
+        # with them).
+        kept = list(in_cpu)
+        if not index.fits(total):
+            kept += index.present(list(dict.fromkeys(k for n in needs.values() for k in n)))
         index.pin(kept)
         try:
-            room = index.make_room(sum(entry_bytes.values()))
+            room = index.make_room(total)
             owned: list[bytes] = []  # admitted, to pin (at once: the admissions evict nothing)
             for kc in to_cpu:
                 if index.recurrent and kc.copy.group in self._state_groups:
