@@ -78,6 +78,16 @@ def test_a_step_with_synchronous_loads_counts_every_block_handed_over_as_another
     assert handed == [] and sorted(foreign) == [1, 2]
 
 
+def test_blocks_another_connector_loads_synchronously_are_handed_over():
+    """MultiConnector: another connector's synchronous hit of 32 tokens is scheduled in
+    the step it is admitted, its computed tokens counting the loaded ones, so the blocks
+    the load writes (1 and 2) are not past them; they count from the admission."""
+    h = Handover([16])
+    h.admitted("n", blocks([(1, False), (2, False), (3, False)]), ours=False)
+    handed, foreign = h.take(output(new=[("n", ([1, 2, 3],), 32)], sync_loads=True))
+    assert handed == [] and sorted(set(foreign)) == [1, 2, 3]
+
+
 def test_blocks_the_step_zeroes_or_copies_into_are_handed_over():
     """vLLM's Mamba manager may move a running request's checkpoint into a fresh block
     that no table lists (`cow_block`), written by the step's copies before its forward;

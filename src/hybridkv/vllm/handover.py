@@ -28,7 +28,9 @@ vLLM allocates for
 an asynchronous load (`update_state_after_alloc`; those without a block hash, i.e. not
 prefix hits), whose request is scheduled only once the load is done. A load of another
 connector (MultiConnector) writes them outside any stream of this engine, as does any
-synchronous load: those are listed apart.
+synchronous load (its request is scheduled in the same step, its blocks counted from
+the admission, not past its computed tokens, which include the loaded ones): those are
+listed apart.
 """
 
 from __future__ import annotations
@@ -84,8 +86,13 @@ class Handover:
         handed += [copy.dst_block_id for copy in out.kv_cache_block_copies or ()]
         foreign: list[int] = []
         for req_id, (blocks, ours) in self._admitted.items():
-            if req_id not in out.num_scheduled_tokens:  # waits for a load; else counted above
+            if req_id not in out.num_scheduled_tokens:  # waits for a load
                 (handed if ours else foreign).extend(blocks)
+            elif not ours and out.has_sync_kv_loads:
+                # Scheduled at once after another connector's synchronous load: its
+                # computed tokens count the loaded ones, so `_past` left out the blocks
+                # that load writes (those after them are counted above).
+                foreign.extend(blocks)
         self._admitted = {}
         if out.has_sync_kv_loads:  # another connector writes some of them before the forward
             return [], handed + foreign
