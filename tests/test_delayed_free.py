@@ -127,6 +127,47 @@ def test_blocks_handed_on_while_a_store_reads_them_never_reach_an_entry(
         assert stats.overtaken_entries > 0
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_a_fault_listing_the_blocks_handed_over_reaches_no_scheduler(
+    model_dir, monkeypatch, runner
+):
+    """A fault while a step's metadata is built (injected in every third listing of the
+    blocks handed over; no input makes the real one fail) used to raise out of vLLM's
+    `schedule()` and kill the engine. Now the step's loads still go out and the workers
+    take every block for handed over: with copies landing two steps late, the stores
+    in flight then hold the compute stream (V1's hook order) or are dropped (V2's),
+    and no entry holds a reused block's bytes."""
+    from hybridkv.vllm.handover import Handover
+
+    take = Handover.take
+    calls = 0
+
+    def failing(self, out):
+        nonlocal calls
+        calls += 1
+        if calls % 3 == 0:
+            raise RuntimeError("injected handover fault")
+        return take(self, out)
+
+    eng = Engine(model_dir, False, seed=3, runner=runner)
+    slow = SlowCopies(eng.worker.copies, lambda: eng.steps)
+    eng.copies_land = lambda step: slow.land(queued_before=step - 2)
+    monkeypatch.setattr(Handover, "take", failing)
+    for i in range(3):
+        eng.add(f"r{i}", _prompt(40 + 9 * i, 60 + i), max_tokens=25)
+    eng.run()
+    assert eng.side.stats.hook_errors == calls // 3 > 0
+    stats = eng.worker.stats
+    if runner == "v1":
+        assert stats.held_compute > 0 and stats.overtaken_entries == 0
+    else:
+        assert stats.overtaken_entries > 0
+    slow.land()
+    eng.check_entries()
+    eng.side.stats.hook_errors = 0
+    eng.check_settled(lossy=runner == "v2")
+
+
 @pytest.mark.parametrize("async_scheduling", MODES)
 def test_a_failed_load_is_reported_only_after_its_copies_in_flight_land(
     model_dir, async_scheduling

@@ -338,7 +338,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         self.scheduler_side.after_alloc(request, blocks, num_external_tokens)
 
+    @_guarded(lambda: HybridKVMetadata(all_handed=True))
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Guarded inside, part by part (the loads must go out); this is the last net."""
         return self.scheduler_side.build_meta(scheduler_output)
 
     @_guarded(lambda: None)

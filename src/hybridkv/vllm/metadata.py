@@ -84,6 +84,9 @@ class HybridKVMetadata(KVConnectorMetadata):
     # Blocks handed over that another connector loads into (MultiConnector; all of them
     # in a step with synchronous loads): those writes (RDMA) follow no stream of ours.
     foreign_blocks: list[int] = field(default_factory=list)
+    # The blocks handed over are not known (listing them failed): any may be, so every
+    # store in flight lands first, or is dropped where nothing can wait for it.
+    all_handed: bool = False
 
 
 @dataclass

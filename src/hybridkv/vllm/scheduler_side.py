@@ -17,11 +17,12 @@ a later step through the ordinary path.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING
@@ -533,42 +534,51 @@ class SchedulerSide:
 
     # ---- per-step plan ----------------------------------------------------------------------
     def build_meta(self, out: SchedulerOutput) -> HybridKVMetadata:
-        """The step's loads, then its stores. Loads go out whatever happens to the stores:
-        vLLM waits for each one to be reported."""
+        """The step's loads, then its stores. Loads and the requests whose blocks vLLM
+        keeps go out whatever happens to the rest: vLLM waits for each to be reported.
+        Every other part that fails is logged and counted, never raised into vLLM's
+        scheduler; where the blocks handed over cannot be listed, the workers take
+        every block for handed over."""
         meta = HybridKVMetadata(loads=self._loads, idle=out.total_num_scheduled_tokens == 0)
         self._loads = []
         self._step += 1
         meta.step = self._step
         meta.delayed, self._delayed = self._delayed, []
-        meta.allocated_blocks, meta.foreign_blocks = self.handover.take(out)
+        meta.all_handed = True
+        with self._caught("listing the blocks this step hands over"):
+            meta.allocated_blocks, meta.foreign_blocks = self.handover.take(out)
+            meta.all_handed = False
         if self.enabled:
-            try:
+            with self._caught("planning this step's stores (none are made)"):
                 meta.stores = self._plan_stores(out)
-            except Exception:
-                log.exception("hybridkv: planning this step's stores failed; none are made")
-                self.stats.hook_errors += 1
-        self.index.unpin(self._load_pins)
-        self._load_pins = []
+        pins, self._load_pins = self._load_pins, []
+        with self._caught("releasing the planned loads' pins"):
+            self.index.unpin(pins)
         meta.epoch = self.index.epoch
-        meta.orders = self.index.take_orders()
+        with self._caught("taking the index's orders"):
+            meta.orders = self.index.take_orders()
         if self.probe is not None:
-            self.probe.send()  # what this step's lookups asked about, in one round trip
-        try:
+            with self._caught("sending the probe"):
+                self.probe.send()  # what this step's lookups asked about, in one round trip
+        with self._caught("reading stats for the log"):
             self._maybe_log_stats()
-        except Exception:
-            log.exception("hybridkv: reading stats for the log failed")
-            self.stats.hook_errors += 1
         return meta
+
+    @contextlib.contextmanager
+    def _caught(self, what: str) -> Iterator[None]:
+        """Log and count an exception of the block instead of raising it."""
+        try:
+            yield
+        except Exception:
+            log.exception("hybridkv: %s failed", what)
+            self.stats.hook_errors += 1
 
     def _plan_stores(self, out: SchedulerOutput) -> list[RequestStore]:
         """The stores of this step: first the fate of entries tagged in earlier steps
         (they go out even if planning this step's fails), then this step's copies."""
         stores = self._settle_finished() + self._settle_running()
-        try:
+        with self._caught("planning this step's copies (none are made)"):
             stores += self._plan_copies(out)
-        except Exception:
-            log.exception("hybridkv: planning this step's stores failed; none are made")
-            self.stats.hook_errors += 1
         return stores
 
     def _plan_copies(self, out: SchedulerOutput) -> list[RequestStore]:

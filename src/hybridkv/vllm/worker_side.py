@@ -238,9 +238,9 @@ class WorkerSide:
         ordered = hook and self.hook_before_reuse
         newest: Landing | None = None
         overtaken: set[int] = set()
-        for pending in self._landing if handed or foreign else ():
+        for pending in self._landing if handed or foreign or meta.all_handed else ():
             for entry, reads in zip(pending.hold, pending.reads, strict=True):
-                if entry is None or not reads & (handed | foreign):
+                if entry is None or not (meta.all_handed or reads & (handed | foreign)):
                     continue
                 if ordered and not reads & foreign:
                     newest = pending.landing
