@@ -74,5 +74,9 @@ def test_the_branch_point_is_stored_as_well(pol, n, boundary, junction):
 def test_branch_point_examples():
     pol = CheckpointPolicy("prompt_and_end", 64)
     assert pol.decide(128, 300, junction=128) is StateAction.STORE  # fork inside the prompt
+    # vLLM's hash blocks may be finer than a state's: a fork inside chunk [128, 192)
+    # is checkpointed at 128.
+    assert pol.decide(128, 300, junction=144) is StateAction.STORE
+    assert pol.decide(64, 300, junction=32) is None  # inside the first chunk: no state
     assert pol.decide(192, 300, junction=128) is None  # not the fork
     assert pol.decide(320, 300, junction=320) is StateAction.STAGE  # past the checkpoint

@@ -48,11 +48,15 @@ class CheckpointPolicy:
         self, boundary: int, num_prompt_tokens: int, junction: int = 0
     ) -> StateAction | None:
         """What to do with the state the engine wrote at `boundary`; `junction`: the
-        prompt's branch point, if one is known (0: none)."""
+        prompt's branch point, if one is known (0: none). The engine keys its prefix by
+        hash blocks, which may be finer than a state's block: its branch point may fall
+        inside a chunk, and the state it then checkpoints is at the chunk boundary
+        before it."""
         if self.name == "every_chunk":
             return StateAction.STORE
         ckpt = self.prompt_checkpoint(num_prompt_tokens)
-        if boundary == ckpt or (boundary == junction and boundary < ckpt):
+        fork = junction // self.chunk_tokens * self.chunk_tokens
+        if boundary == ckpt or (fork and boundary == fork and boundary < ckpt):
             return StateAction.STORE
         if boundary > ckpt:
             return StateAction.STAGE
