@@ -630,6 +630,20 @@ def test_forged_entries_are_misses(make_tier):
     assert a.get(key(1)) is not None  # the copied file is a's kind of file
     put_all(b, {key(1): payload(1, NBYTES)})  # b's own write of the key replaces it
     assert_entry(b.get(key(1)), payload(1, NBYTES))
+    # b's own entry of key 3 moved under key 1's name, its header's key rewritten and
+    # the checksum recomputed: the MAC covers the header, so only it tells.
+    from hybridkv.core.keys import split_group_key
+
+    put_all(b, {key(3): payload(3, NBYTES)})
+    chunk, group = split_group_key(key(1))
+    moved = entry_path(b.dir, key(1))
+    shutil.copyfile(entry_path(b.dir, key(3)), moved)
+    write_at(moved, 12, group.to_bytes(2, "little"))
+    write_at(moved, 32, chunk)
+    fix_checksum(moved, trailer=MAC_BYTES)
+    with pytest.raises(EntryFileError, match="mac"):
+        read_entry(moved, FP, key(1), mac_key=derive_mac_key(KEY_B))
+    assert b.get(key(1)) is None
 
 
 def test_keyed_and_unkeyed_tiers_do_not_read_each_other(make_tier):

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import EngineProc, run_engine_proc, tokens
+from conftest import SEED, EngineProc, run_engine_proc, tokens
 from serving import last_boundary
 
 from hybridkv.core.keys import chain_seed, chunk_keys, group_key
@@ -123,7 +123,10 @@ def _foreign(path: Path) -> None:
     import torch
 
     key = bytes.fromhex(path.stem)
-    payload = torch.randint(-128, 127, (path.stat().st_size - HEADER_BYTES,), dtype=torch.int8)
+    gen = torch.Generator().manual_seed(SEED)
+    payload = torch.randint(
+        -128, 127, (path.stat().st_size - HEADER_BYTES,), dtype=torch.int8, generator=gen
+    )
     with open(path, "wb") as f:
         write_entry(f, bytes(16), key, payload)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tokens
+from conftest import SEED, tokens
 
 
 def test_sync_worker_round_trip_with_partial_chunks():
@@ -23,7 +23,8 @@ def test_sync_worker_round_trip_with_partial_chunks():
     from hybridkv.benchmarks.offloading_cpu import SyncCPUOffloadingWorker
 
     page = 64
-    engine = torch.randint(-128, 127, (20, page), dtype=torch.int8)
+    gen = torch.Generator().manual_seed(SEED)
+    engine = torch.randint(-128, 127, (20, page), dtype=torch.int8, generator=gen)
     caches = CanonicalKVCaches(
         [CanonicalKVCacheTensor(engine, page)],
         [[CanonicalKVCacheRef(0, page)], [CanonicalKVCacheRef(0, 48)]],  # 2nd: unpadded 48

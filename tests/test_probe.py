@@ -7,12 +7,34 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
+from hybridkv.core import probe as probe_module
 from hybridkv.core.probe import Probe
 
 
+class Clock:
+    """The probe's clock, moved by the test: answers lapse by construction, not by how
+    long a sleep or a round trip takes on this machine."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(probe_module, "time", c)
+    return c
+
+
 def wait_answered(probe: Probe, keys: list[bytes]) -> list[bytes]:
-    """Poll as the scheduler does: a lookup, then the step's `send`."""
-    deadline = time.monotonic() + 5
+    """Poll as the scheduler does: a lookup, then the step's `send` (the background
+    round trip must come back; the deadline is only against a hang)."""
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         held, asking = probe.held(keys)
         if not asking:
@@ -28,40 +50,40 @@ def test_asks_in_the_background_once_and_answers_from_memory_after():
     calls: list[list[bytes]] = []
 
     def contains_many(keys):
-        gate.wait(5)
+        assert gate.wait(60)
         calls.append(list(keys))
         return [k in stored for k in keys]
 
     probe = Probe("redis", contains_many, ttl_s=60)
     held, asking = probe.held([b"a", b"b", b"c"])
     assert (held, asking) == ([], True)
-    probe.send()  # the caller is not held up by the round trip
+    probe.send()  # the caller is not held up by the round trip: it has not come back
+    assert calls == [] and probe.held([b"a"]) == ([], True)
     gate.set()
     assert wait_answered(probe, [b"a", b"b", b"c"]) == [b"a", b"c"]
     assert probe.held([b"b", b"c"]) == ([b"c"], False)
     assert calls == [[b"a", b"b", b"c"]] and probe.round_trips == 1
 
 
-def test_answers_lapse_and_failed_reads_count_as_absent():
+def test_answers_lapse_and_failed_reads_count_as_absent(clock):
     stored = {b"a"}
     probe = Probe("redis", lambda keys: [k in stored for k in keys], ttl_s=0.05)
     assert wait_answered(probe, [b"a"]) == [b"a"]
     probe.failed(b"a")
     assert probe.held([b"a"]) == ([], False)
-    time.sleep(0.06)
+    clock.now += 0.06
     assert probe.held([b"a"])[1]  # lapsed: asked again
     assert wait_answered(probe, [b"a"]) == [b"a"]
 
 
-def test_lapsed_answers_are_forgotten_and_fresh_ones_kept():
+def test_lapsed_answers_are_forgotten_and_fresh_ones_kept(clock):
     """A round trip drops the answers that lapsed (memory stays bounded by what was asked
     within `ttl_s`), oldest first; a key answered again keeps its new answer."""
     stored = {b"a"}
-    # A ttl far longer than the few round trips after the sleep take on any machine.
     probe = Probe("redis", lambda keys: [k in stored for k in keys], ttl_s=2.0)
     old = [bytes([i]) * 4 for i in range(100)]
     wait_answered(probe, old + [b"a"])
-    time.sleep(2.1)
+    clock.now += 2.1
     assert wait_answered(probe, [b"a"]) == [b"a"]  # asked again: lapsed
     assert wait_answered(probe, [b"x"]) == []  # this round trip drops the lapsed ones
     assert set(probe._answers) == {b"a", b"x"}
@@ -88,7 +110,7 @@ def test_every_lookup_of_a_step_goes_in_one_round_trip():
     def contains_many(keys):
         calls.append(list(keys))
         entered.set()
-        gate.wait(5)
+        assert gate.wait(60)
         return [k.startswith(b"held") for k in keys]
 
     probe = Probe("redis", contains_many, ttl_s=60)
@@ -98,7 +120,7 @@ def test_every_lookup_of_a_step_goes_in_one_round_trip():
         assert probe.held(keys) == ([], True)
     probe.held(first[0])  # polled again: asks nothing twice
     probe.send()
-    assert entered.wait(5)  # the round trip is out
+    assert entered.wait(60)  # the round trip is out
     for step in (later[:16], later[16:]):
         for keys in step:
             assert probe.held(keys) == ([], True)

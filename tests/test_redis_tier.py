@@ -30,6 +30,9 @@ FP = bytes(range(16))
 OTHER_FP = bytes(range(100, 116))
 PART = 4096  # the smallest max_entry_bytes: small entries still split
 FAST = {"timeout_ms": 300, "backoff_s": 0.05, "backoff_max_s": 0.4}
+# A call that must not wait for a dead or stopped server returns within its timeout; the
+# tests only check it did not hang, with a bound no machine's speed comes near.
+HANG_S = 10.0
 
 
 def key(i: int, group: int = 0) -> bytes:
@@ -236,9 +239,7 @@ def test_a_value_of_the_wrong_size_is_rejected_before_allocation(make_tier):
     assert reader.stats().corrupt == 1
 
 
-def test_a_header_claiming_thousands_of_parts_costs_no_second_round_trip(
-    make_tier, server, round_trips
-):
+def test_a_header_claiming_thousands_of_parts_fetches_no_more_parts(make_tier, server, monkeypatch):
     """A first part whose header claims another size than the layout gives the entry
     (forged, by anyone who can write to the server) is rejected from that part alone:
     taken at its word, every replica fetched up to 4,095 more names per lookup."""
@@ -248,11 +249,24 @@ def test_a_header_claiming_thousands_of_parts_costs_no_second_round_trip(
     client = server.client()
     claim = 4000 * PART
     client.setrange(tier.names(key(1))[0], 48, claim.to_bytes(8, "little"))
-    before = round_trips[0]
+    sent: list[bytes] = []
+    original = redis.connection.AbstractConnection.send_packed_command
+
+    def recording(self, command, *args, **kwargs):
+        parts = [command] if isinstance(command, (bytes, memoryview)) else command
+        sent.append(b"".join(bytes(p) for p in parts))
+        return original(self, command, *args, **kwargs)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", recording)
     got = tier.get_many([key(1), key(2)])
-    assert round_trips[0] - before == 1
     assert got[0] is None and same(got[1], payload(2, nbytes))
     assert tier.stats().corrupt == 1
+    # The reads (the writer's removal of the rejected entry, a MULTI/EXEC, may go out
+    # meanwhile on its own connection).
+    reads = b"".join(c for c in sent if b"MGET" in c and b"EXEC" not in c)
+    n = -(-(HEADER_BYTES + nbytes) // PART)  # the parts a true entry has
+    assert tier.names(key(1), n)[n - 1].encode() in reads
+    assert tier.names(key(1), n + 1)[n].encode() not in reads  # none the header claims
 
 
 # ---- faults ------------------------------------------------------------------------------------
@@ -262,7 +276,9 @@ def test_server_killed_then_restarted_empty(make_tier, server, round_trips):
     server.kill()
     start = time.monotonic()
     assert tier.get_many([key(0), key(1)]) == [None, None]
-    assert time.monotonic() - start < 0.3 and not tier.up
+    # Against a hang only (a refused connection fails at once; the bound is far above
+    # the 300 ms timeout, so no machine's speed decides it).
+    assert time.monotonic() - start < HANG_S and not tier.up
     sent = round_trips[0]
     assert tier.get(key(2)) is None and tier.contains_many([key(2)]) == [False]
     assert not tier.put(key(5), payload(5, 1000)) and not tier.delete(key(3))
@@ -290,7 +306,9 @@ def test_writes_queued_when_the_server_dies_are_dropped(make_tier, server):
 
 
 @pytest.mark.parametrize("clear_while_down", [False, True])
-def test_a_stopped_server_times_out_and_comes_back(make_tier, server, clear_while_down):
+def test_a_stopped_server_times_out_and_comes_back(
+    make_tier, server, clear_while_down, round_trips
+):
     tier = make_tier(timeout_ms=200)
     store(tier, {key(1): payload(1, 1000)})
     assert server.proc is not None
@@ -298,10 +316,10 @@ def test_a_stopped_server_times_out_and_comes_back(make_tier, server, clear_whil
     try:
         start = time.monotonic()
         assert tier.get(key(1)) is None
-        assert time.monotonic() - start < 0.5 and not tier.up
-        start = time.monotonic()
+        assert time.monotonic() - start < HANG_S and not tier.up  # the timeout, not a hang
+        sent = round_trips[0]
         assert tier.get(key(1)) is None and tier.contains_many([key(1)]) == [False]
-        assert time.monotonic() - start < 0.05
+        assert round_trips[0] == sent  # down: answered without the network
         if clear_while_down:
             tier.clear()  # forgets what it stored; the entry stays, shared
     finally:
@@ -346,7 +364,7 @@ def test_unreachable_at_start_then_up(make_tier):
         later = RedisServer(Path(d))
         start = time.monotonic()
         tier = make_tier(later.url)
-        assert not tier.up and time.monotonic() - start < 0.5
+        assert not tier.up and time.monotonic() - start < HANG_S  # no wait for the server
         assert tier.get(key(1)) is None and not tier.put(key(1), payload(1, 10))
         try:
             later.start()
@@ -377,7 +395,8 @@ def test_full_server_under_noeviction(make_tier, caplog):
         s = tier.stats()
         assert 0 < s.puts < 12 and s.write_errors + s.dropped_puts == 12 - s.puts
         assert s.errors >= 1
-        assert same(tier.get(key(0)), payload(0, 256 << 10)) or not tier.up
+        assert eventually(lambda: tier.up, 60)  # refused writes are no reason to stay down
+        assert same(tier.get(key(0)), payload(0, 256 << 10))
 
 
 def test_a_server_that_refuses_config(make_tier, caplog):

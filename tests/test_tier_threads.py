@@ -22,6 +22,7 @@ from test_disk_tier import (
     BIG,
     assert_entry,
     assert_index_matches_disk,
+    entry_names,
     key,
     kv_sizes,
     payload,
@@ -222,3 +223,24 @@ def test_redis_delete_and_clear_never_wait_for_the_server_and_keep_their_order(s
         assert tier.up and tier.stats().errors == 0
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("drop", ["delete", "clear"])
+def test_an_entry_deleted_while_its_file_is_written_never_comes_back(make_tier, monkeypatch, drop):
+    """The writer is provably inside `write_entry` when the entry is deleted (or the tier
+    cleared): its finished file is never renamed into place, and nothing counts it."""
+    pause = Pause("hybridkv-disk")
+    monkeypatch.setattr(disk_module, "write_entry", pause.wrap(disk_module.write_entry))
+    tier = make_tier(writers=1)
+    assert tier.put(key(1), payload(1, 4096))
+    assert pause.entered.wait(RELEASE_SECONDS)
+    if drop == "delete":
+        assert tier.delete(key(1))
+    else:
+        tier.clear()
+    assert tier.get(key(1)) is None
+    pause.released.set()
+    tier.flush()
+    assert not pause.starved
+    assert entry_names(tier.dir) == ([], []) and tier.stats().entries == 0
+    assert tmp_files(tier.dir) == []

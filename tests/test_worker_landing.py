@@ -18,6 +18,7 @@ from concurrent.futures import wait
 
 import pytest
 import torch
+from conftest import SEED
 
 from hybridkv.core.copy_engine import Landing
 from hybridkv.core.index import Orders
@@ -63,7 +64,8 @@ def worker(monkeypatch):
     below.name = "below"
     store = TieredStore([MemoryTier(1 << 20), below])
     ws = WorkerSide(planner, store)
-    cache = torch.randint(-128, 127, (BLOCKS, PAGE), dtype=torch.int8)
+    gen = torch.Generator().manual_seed(SEED)
+    cache = torch.randint(-128, 127, (BLOCKS, PAGE), dtype=torch.int8, generator=gen)
     ws.register({"l0": cache}, [[("l0", PAGE)]], BLOCKS)
     held: list[Held] = []
     gather_async = ws.copies.gather_async
