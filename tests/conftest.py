@@ -188,7 +188,12 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(argv, code, out.read(), "")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    # Hypothesis draws from HYBRIDKV_TEST_SEED too (unless --hypothesis-seed is given):
+    # a run's examples are the same on any machine, and another seed explores others.
+    if config.getoption("hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = str(SEED)
     try:
         import serving
     except ImportError:  # no serving stack (a lent GPU machine: torch without vLLM)

@@ -427,12 +427,15 @@ def test_verify_never_holds_a_payload_a_sparse_file_claims(tmp_path):
         os.truncate(path, file_bytes(claim, False))
     except OSError as e:
         pytest.skip(f"no sparse file of 2 GiB here: {e}")
+    # The child's peak from its own memory map (VmHWM starts over at exec; ru_maxrss
+    # would carry the peak of the test process it was started from).
     child = f"""
-import json, resource
+import json, re
 from hybridkv.core.inventory import open_store, verify
 store = open_store({str(tmp_path)!r})
 report = verify(store, store.inventory())
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+status = open("/proc/self/status").read()
+peak = int(re.search(r"VmHWM:\\s+(\\d+) kB", status).group(1)) * 1024
 print(json.dumps({{"damaged": [vars(p) for p in report.damaged], "peak": peak}}))
 """
     result = subprocess.run([sys.executable, "-c", child], capture_output=True, check=True)
