@@ -407,6 +407,19 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(1, 2000) for _ in range(n)]
 
 
+def next_turn_restores_64(eng: Engine, a) -> None:
+    """The next turn: a's conversation so far (64 tokens computed) plus 10. vLLM's own
+    cache is dropped, so the 64 tokens come from hybridkv (the decode-end state and four
+    chunks), and every entry and pin is as it should be after."""
+    assert eng.sched.reset_prefix_cache()
+    hits = eng.side.stats.hit_tokens
+    eng.add("a2", list(a.all_token_ids) + _prompt(10, 3), max_tokens=3)
+    eng.run()
+    assert eng.side.stats.hit_tokens - hits == 64 and eng.first_start["a2"] == 64
+    eng.check_entries()
+    eng.check_settled()
+
+
 MODES = [pytest.param(True, id="async"), pytest.param(False, id="sync")]
 
 
@@ -417,7 +430,6 @@ def test_decode_states_are_stored_under_their_final_tokens(model_dir, async_sche
     attention chunk, each under the key of the tokens it was computed from; the next turn
     restores 64 tokens from hybridkv alone."""
     eng = Engine(model_dir, async_scheduling)
-    side = eng.side
     # 40 prompt tokens + 25 sampled: positions 0..63 are computed (the last token never is).
     a = eng.add("a", _prompt(40, 1), max_tokens=25)
     b = eng.add("b", _prompt(23, 2), max_tokens=30)  # a neighbour in the same batches
@@ -438,15 +450,7 @@ def test_decode_states_are_stored_under_their_final_tokens(model_dir, async_sche
     eng.check_entries()
     eng.check_settled()
 
-    # The next turn: a's conversation so far plus 10 tokens. vLLM's own cache is dropped,
-    # so the 64 tokens come from hybridkv (the decode-end state and four chunks).
-    assert eng.sched.reset_prefix_cache()
-    hits = side.stats.hit_tokens
-    eng.add("a2", list(a.all_token_ids) + _prompt(10, 3), max_tokens=3)
-    eng.run()
-    assert side.stats.hit_tokens - hits == 64 and eng.first_start["a2"] == 64
-    eng.check_entries()
-    eng.check_settled()
+    next_turn_restores_64(eng, a)
 
 
 def test_a_fault_in_the_kv_events_turns_them_off_and_nothing_else(model_dir, monkeypatch):
@@ -469,13 +473,7 @@ def test_a_fault_in_the_kv_events_turns_them_off_and_nothing_else(model_dir, mon
     assert list(eng.sched.connector.take_events()) == []
     eng.check_entries()
     eng.check_settled()
-    assert eng.sched.reset_prefix_cache()
-    hits = eng.side.stats.hit_tokens
-    eng.add("a2", list(a.all_token_ids) + _prompt(10, 3), max_tokens=3)
-    eng.run()
-    assert eng.side.stats.hit_tokens - hits == 64 and eng.first_start["a2"] == 64
-    eng.check_entries()
-    eng.check_settled()
+    next_turn_restores_64(eng, a)
 
 
 @pytest.mark.parametrize("async_scheduling", MODES)
@@ -510,13 +508,7 @@ def test_a_fault_planning_one_requests_stores_costs_its_stores_alone(
     eng.check_entries()
     eng.side.stats.hook_errors = 0
     eng.check_settled()
-    assert eng.sched.reset_prefix_cache()
-    hits = eng.side.stats.hit_tokens
-    eng.add("a2", list(a.all_token_ids) + _prompt(10, 3), max_tokens=3)
-    eng.run()
-    assert eng.side.stats.hit_tokens - hits == 64 and eng.first_start["a2"] == 64
-    eng.check_entries()
-    eng.check_settled()
+    next_turn_restores_64(eng, a)
 
 
 @pytest.mark.parametrize("drop", [True, False], ids=["dropped", "delivered"])
