@@ -82,3 +82,28 @@ def test_a_poll_with_another_local_hit_runs_the_rule_again(waiting):
     assert needed[0] not in side._state(req).pins
     promoted(side, needed[1:])
     assert side.num_new_matched_tokens(req, BLOCK) == (CHUNKS - 1) * BLOCK
+
+
+def test_promotions_that_never_finish_end_the_wait_after_the_bound(waiting, monkeypatch):
+    """Promotions no worker ever reports (a stuck disk): the lookup asks again while
+    they are under `PROMOTE_WAIT_SECONDS` old, then answers with what CPU memory holds
+    (nothing here) and releases its pins, so the request is prefilled, not held for
+    good. The scheduler side's clock is moved by the test, not waited for."""
+    from hybridkv.vllm import scheduler_side
+
+    class Clock:
+        now = 1000.0
+
+        def monotonic(self) -> float:
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(scheduler_side, "time", clock)
+    side, req, needed = waiting
+    assert side.num_new_matched_tokens(req, 0) is None
+    promoted(side, needed[:1])
+    clock.now += scheduler_side.PROMOTE_WAIT_SECONDS - 1
+    assert side.num_new_matched_tokens(req, 0) is None  # still within the bound
+    clock.now += 2
+    assert side.num_new_matched_tokens(req, 0) == 0  # overdue: no boundary is in CPU memory
+    assert side.index.pinned() == 0
