@@ -739,43 +739,52 @@ def test_two_processes_write_the_same_keys(make_tier, tmp_path):
 
 
 KEEP_WRITING = """
-import itertools
+import threading
+from hybridkv.core.tiers import disk as disk_module
 root, nbytes = sys.argv[1], int(sys.argv[2])
+real, calls = disk_module.write_entry, []
+
+def write_then_stall(f, *args, **kwargs):
+    calls.append(1)
+    if len(calls) > 2:  # the third write stops halfway: the kill finds it in progress
+        f.write(bytes(nbytes // 2))
+        f.flush()
+        threading.Event().wait()
+    return real(f, *args, **kwargs)
+
+disk_module.write_entry = write_then_stall
 tier = DiskTier(root, FP, DESC, 3 * (nbytes + 64), writers=1, fsync=False)
-for i in itertools.count():
+for i in range(3):
     tier.put(key(i), payload(i, nbytes))
     tier.flush()
 """
 
 
 def test_writer_killed_mid_write(make_tier, tmp_path):
-    root, nbytes = tmp_path / "cache", 64 << 20
+    """A writer process killed while an entry's file is half written (by construction:
+    its third write stops halfway, so no machine's speed decides what the kill finds):
+    the entries it finished read back exactly, and the next tier removes the leftover."""
+    root, nbytes = tmp_path / "cache", 1 << 20
     layout_dir = root / FP.hex()
-    for _attempt in range(5):
-        shutil.rmtree(root, ignore_errors=True)
-        proc = spawn(KEEP_WRITING, root, nbytes, stdout=subprocess.DEVNULL)
-        try:
-            # Wait for written entries and then for a write in progress.
-            wait_until(lambda: len(entry_names(layout_dir)[0]) >= 2, "two entries", proc, 60)
-            wait_until(lambda: entry_names(layout_dir)[1], "a temporary file", proc, 30)
-            os.kill(proc.pid, signal.SIGKILL)
-        finally:
-            proc.kill()
-            proc.wait()
-            proc.stderr.close()
-        leftovers = entry_names(layout_dir)[1]
-        if leftovers:
-            break
-    else:
-        pytest.fail("the kill never caught a write in progress (5 attempts)")
+    proc = spawn(KEEP_WRITING, root, nbytes, stdout=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: len(entry_names(layout_dir)[0]) >= 2, "two entries", proc, 60)
+        wait_until(lambda: entry_names(layout_dir)[1], "a temporary file", proc, 60)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    leftovers = entry_names(layout_dir)[1]
+    assert len(leftovers) == 1
 
     reader = make_tier(root)
     visible = kv_sizes(layout_dir)
-    assert len(visible) >= 1
+    assert sorted(visible) == sorted([key(0), key(1)])
     for k in visible:
         assert_entry(reader.get(k), payload(index_of(k), nbytes))
     assert reader.stats().corrupt == 0
-    assert reader.leftovers_removed == len(leftovers)
+    assert reader.leftovers_removed == 1
     assert tmp_files(root) == []
 
 
