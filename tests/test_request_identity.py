@@ -216,6 +216,17 @@ def test_lora_adapter_rewritten_in_place_changes_keys(tmp_path: Path):
     assert not set(before) & set(after)
 
 
+def test_embeds_of_the_same_bytes_read_as_other_numbers_key_apart():
+    """The same bytes as bf16 [N, 8], fp16 [N, 8] and fp32 [N, 4] are other inputs: the
+    digest covers dtype and shape (vLLM's own block hashes take the bytes alone)."""
+    keys = [
+        _keys(_request(None, prompt_embeds=e))
+        for e in (EMBEDS, EMBEDS.view(torch.float16), EMBEDS.view(torch.float32))
+    ]
+    for chunk in range(len(keys[0])):
+        assert len({k[chunk] for k in keys}) == 3
+
+
 def test_embeds_keys_extend_incrementally_through_decode():
     """Chunks past the prompt have no embedding rows; the chain still carries the prompt's
     embeddings, and extending in steps gives the keys computed at once."""
