@@ -516,14 +516,12 @@ def test_a_step_reported_before_its_stores_are_queued_has_not_landed(worker):
     assert ws.landed_through() == 2
 
 
-def test_a_promotion_read_after_its_evict_order_is_dropped():
-    """Tensor parallelism: another rank's read of a promotion failed, so the index
-    dropped the entry and ordered every rank to evict it; this rank's read, slower, lands
-    after that order. It must not put into CPU memory what the index no longer counts
-    (over the budget, with nothing to reconcile it)."""
+def _promotion_failed_on_another_rank():
+    """Tensor parallelism, two ranks: a promotion whose read on rank 1 failed, so the
+    index dropped the entry and ordered every rank to evict it, while rank 0's read is
+    held (by an event, not by timing) until the test opens `gate`."""
     import threading
     import time
-    from concurrent.futures import wait
 
     from hybridkv.core.index import StoreIndex, WorkerReport
 
@@ -541,7 +539,7 @@ def test_a_promotion_read_after_its_evict_order_is_dropped():
     gate = threading.Event()
     get_many = below.get_many
 
-    def slow(keys):  # ordered by events, not timing: the read waits for the gate
+    def slow(keys):
         assert gate.wait(30)
         return get_many(keys)
 
@@ -553,11 +551,45 @@ def test_a_promotion_read_after_its_evict_order_is_dropped():
     assert evict.evict == [key]
     ws.begin_step(HybridKVMetadata(step=2, epoch=index.epoch, orders=evict))
     ws.end_step(HybridKVMetadata(step=2, epoch=index.epoch, orders=evict))
+    return index, ws, gate, key
+
+
+def test_a_promotion_read_after_its_evict_order_is_dropped():
+    """Rank 0's read lands after the evict order: it must not put into CPU memory what
+    the index no longer counts (over the budget, with nothing to reconcile it)."""
+    from concurrent.futures import wait
+
+    index, ws, gate, key = _promotion_failed_on_another_rank()
     gate.set()
     wait(ws._promotions, timeout=30)
     index.apply(0, ws.report())
     assert ws.store.cpu.get(key) is None
     assert not index.in_cpu(key) and not index.promoting(key) and index.ledger.used == 0
+
+
+def test_a_read_whose_promotion_was_settled_fails_no_later_promotion_of_its_key():
+    """The index promotes the key again (a probe found it) while rank 0's first read is
+    still held. The index matches reports by key: the read that lands first serves the
+    new promotion (the same bytes), and the one left over reports nothing; a failure
+    reported for it failed the new promotion, and the entry was dropped again."""
+    import time
+    from concurrent.futures import wait
+
+    from hybridkv.core.index import WorkerReport
+
+    index, ws, gate, key = _promotion_failed_on_another_rank()
+    index.hint("below", [key], time.monotonic() + 60)
+    assert index.promote(key, PAGE, "below")
+    again = index.take_orders()
+    ws.begin_step(HybridKVMetadata(step=3, epoch=index.epoch, orders=again))
+    ws.end_step(HybridKVMetadata(step=3, epoch=index.epoch))
+    gate.set()
+    wait(ws._promotions, timeout=30)
+    report = ws.report()
+    assert [ok for _, _, ok in report.promoted] == [True]
+    index.apply(0, report)
+    index.apply(1, WorkerReport(epoch=index.epoch, promoted=[(index.epoch, key, True)]))
+    assert index.in_cpu(key) and ws.store.cpu.get(key) is not None
 
 
 def test_close_stops_promoting_and_drains_the_disk_writes(tmp_path):

@@ -465,12 +465,14 @@ class WorkerSide:
         results = []
         with self._lock:
             for key, source, entry in read:
-                ok = (
-                    entry is not None
-                    and epoch == self.epoch
-                    and key in self._promoting
-                    and self._promoted(key, entry, source)
-                )
+                if epoch != self.epoch or key not in self._promoting:
+                    # Its promotion was settled: by a clear (a key promoted again since
+                    # is the new epoch's read's), by the evict or delete order that took
+                    # the key out, or by an earlier read of a newer promotion of it. The
+                    # index matches reports by key: one now could fail a later promotion.
+                    self.stats.failed_promotions += 1
+                    continue
+                ok = entry is not None and self._promoted(key, entry, source)
                 self._promoting.discard(key)
                 results.append((epoch, key, ok))
                 if ok:
