@@ -22,6 +22,7 @@ before the forward reads it.
 from __future__ import annotations
 
 import pytest
+from conftest import SEED
 from slow_copies import SlowCopies
 from test_async_scheduling import ATTN_PAGE, MODES, Engine, _prompt, config_dir
 
@@ -149,12 +150,13 @@ def test_a_fault_listing_the_blocks_handed_over_reaches_no_scheduler(
             raise RuntimeError("injected handover fault")
         return take(self, out)
 
-    eng = Engine(model_dir, False, seed=3, runner=runner)
+    print(f"seed {SEED}")
+    eng = Engine(model_dir, False, seed=SEED, runner=runner)
     slow = SlowCopies(eng.worker.copies, lambda: eng.steps)
     eng.copies_land = lambda step: slow.land(queued_before=step - 2)
     monkeypatch.setattr(Handover, "take", failing)
     for i in range(3):
-        eng.add(f"r{i}", _prompt(40 + 9 * i, 60 + i), max_tokens=25)
+        eng.add(f"r{i}", _prompt(40 + 9 * i, SEED + i), max_tokens=25)
     eng.run()
     assert eng.side.stats.hook_errors == calls // 3 > 0
     stats = eng.worker.stats
