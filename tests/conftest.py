@@ -174,6 +174,18 @@ def _forked_server(cmd: list[str], log_fd: int, env: dict[str, str]):
         return _Forked(null.fileno(), log_fd, env, cmd)
 
 
+class Clock:
+    """A module's `time`, moved by the test (monkeypatched over the module's `time`): what
+    lapses or goes overdue does so by construction, not by how long a sleep or a round
+    trip takes on this machine."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     """`hybridkv ARGS` as `python -m hybridkv.cli`, forked by the zygote (which has
     imported vLLM: the benchmarks' own engine processes fork from it in turn, each about

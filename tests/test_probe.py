@@ -8,20 +8,10 @@ import threading
 import time
 
 import pytest
+from conftest import Clock
 
 from hybridkv.core import probe as probe_module
 from hybridkv.core.probe import Probe
-
-
-class Clock:
-    """The probe's clock, moved by the test: answers lapse by construction, not by how
-    long a sleep or a round trip takes on this machine."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
 
 
 @pytest.fixture

@@ -89,13 +89,9 @@ def test_promotions_that_never_finish_end_the_wait_after_the_bound(waiting, monk
     they are under `PROMOTE_WAIT_SECONDS` old, then answers with what CPU memory holds
     (nothing here) and releases its pins, so the request is prefilled, not held for
     good. The scheduler side's clock is moved by the test, not waited for."""
+    from conftest import Clock
+
     from hybridkv.vllm import scheduler_side
-
-    class Clock:
-        now = 1000.0
-
-        def monotonic(self) -> float:
-            return self.now
 
     clock = Clock()
     monkeypatch.setattr(scheduler_side, "time", clock)
