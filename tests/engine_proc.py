@@ -9,7 +9,8 @@ own prefix cache and hybridkv's CPU tier first, so only the disk can serve a hit
 the worker in this process only), {"op": "reset", "connector"?} (empty vLLM's own prefix
 cache only; with "connector": true hybridkv's too, as after new weights),
 {"op": "flush"}, {"op": "touch", "path"}, {"op": "wait", "path", "timeout"?},
-{"op": "limit_file_size", "bytes"}.
+{"op": "limit_file_size", "bytes"}, {"op": "stall_disk_writes", "path"} (see
+`stall_disk_writes`).
 
 `python engine_proc.py --zygote SOCKET` imports vLLM once (about 75 % of an engine
 process's start) and then forks one such engine process per request on the Unix socket
@@ -69,6 +70,8 @@ def main() -> None:
             llm.reset_prefix_cache(reset_connector=step.get("connector", False))
         elif op == "limit_file_size":  # a full disk from here on (also for child processes)
             resource.setrlimit(resource.RLIMIT_FSIZE, (step["bytes"], step["bytes"]))
+        elif op == "stall_disk_writes":
+            stall_disk_writes(Path(step["path"]))
         elif op == "flush":
             sync_tiers(llm)
         elif op == "touch":
@@ -93,6 +96,23 @@ def main() -> None:
         shutdown(llm)
     # Otherwise the interpreter exits with the engine up: queued disk writes must still
     # be finished by hybridkv's exit hook.
+
+
+def stall_disk_writes(flag: Path) -> None:
+    """From here on every disk entry write stops halfway and never ends, `flag` touched
+    once one has: a kill then finds a write in progress by construction, whatever the
+    machine's speed."""
+    import threading
+
+    from hybridkv.core.tiers import disk
+
+    def stalled(f, *args, **kwargs) -> None:
+        f.write(bytes(4096))
+        f.flush()
+        flag.touch()
+        threading.Event().wait()
+
+    disk.write_entry = stalled
 
 
 def zygote(path: str) -> None:

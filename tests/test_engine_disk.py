@@ -235,28 +235,30 @@ def test_full_disk_degrades_to_the_cpu_tier(model_dirs, tmp_path):
 
 
 def test_engine_killed_while_writing_leaves_a_usable_cache(model_dirs, tmp_path):
-    """SIGKILL an engine while it stores: the next engine on the directory cleans what the
-    dead one left, finds only whole entries, and restores them correctly."""
-    root, flag = tmp_path / "cache", tmp_path / "stored"
+    """SIGKILL an engine while it writes an entry file (by construction: its writes stop
+    halfway once the first prompt is on disk): the next engine on the directory removes
+    what the dead one left, finds only whole entries, and restores them correctly."""
+    root, flag = tmp_path / "cache", tmp_path / "stalled"
     first = tokens(PROMPT, seed=55)
     spec = {"model": model_dirs["qwen3-next"], "extra": disk_config(root)}
-    busy = [gen(f"busy{i}", tokens(PROMPT, seed=56 + i)) for i in range(40)]
+    busy = [gen(f"busy{i}", tokens(PROMPT, seed=56 + i)) for i in range(4)]
     a = EngineProc(
         {
             **spec,
             "steps": [
                 gen("first", first),
                 {"op": "flush"},
-                {"op": "touch", "path": str(flag)},
+                {"op": "stall_disk_writes", "path": str(flag)},
                 *busy,
+                {"op": "wait", "path": str(tmp_path / "never")},
             ],
         }
     )
     deadline = time.monotonic() + 300
     while not flag.exists() and a.proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert flag.exists(), "engine A never stored its first prompt"
-    time.sleep(1.0)  # A is now storing busy prompts
+    assert flag.exists(), "engine A never began writing a busy prompt"
+    assert entry_files(root, "*.tmp"), "no write in progress when A is killed"
     a.kill()
 
     b = run_engine_proc({**spec, "steps": [gen("restored", first), gen("native", first)]})
