@@ -21,6 +21,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import httpx
 import psutil
 from openai import AsyncOpenAI
 
+from hybridkv.engine import TOP_LOGPROBS
 from hybridkv.server import server_args
 
 MiB = 1 << 20
@@ -131,30 +133,49 @@ class Completion:
     prompt_tokens: int
     finish_reason: str | None
     logprobs: list[float] = field(default_factory=list)  # of each chosen token
+    top: list[dict[int, float]] = field(default_factory=list)  # as `Generation.top`
 
 
-# How far a chosen token's logprob may move when the same request runs in another batch
-# (another step's company, a prefix hit one step later): CPU kernels round with the batch
-# shape. Measured on an Intel Xeon with AVX-512 (bf16, fp16): 0.004 at most on these
-# models; the tiny models' distributions are nearly flat (top logprobs about -6.7 over a
-# 2048-token vocabulary), so such a nudge can swap near-tied tokens. A wrong restore
-# (a state or chunk missing, garbled, from another prompt) moves them by far more.
+# How far a logprob may move when the same request runs in another batch (another
+# step's company, a prefix hit one step later): CPU kernels round with the batch shape.
+# Measured on an Intel Xeon with AVX-512 (bf16): 0.008 at most on these models, 0 to
+# 1e-4 on most prompts; the tiny models' distributions are nearly flat (top logprobs
+# about -6.7 over a 2048-token vocabulary), so such a nudge can swap near-tied tokens.
 LOGPROB_NOISE = 0.02
 
 
 def real_difference(a, b, tol: float = LOGPROB_NOISE) -> int | None:
     """Where two greedy generations of one prompt differ by more than batch rounding:
-    the first token whose chosen logprobs differ by more than `tol`, or None. Tokens may
-    differ where the logprobs agree (a near tie swapped); from there on the two continue
-    from different text, so the comparison stops."""
-    for i, (ta, tb, la, lb) in enumerate(
-        zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=False)
+    the first position where the chosen tokens' logprobs, or (where both kept them) the
+    best tokens' (`top`: rank by rank, and token by token where both list it), differ
+    by more than `tol`; None if none does. Tokens may differ where all of these agree (a
+    near tie swapped); from there on the two continue from different text, so the
+    comparison stops.
+
+    Why the best tokens and not the chosen one alone: measured on Qwen3-Next and Gemma-3
+    (tests/test_engine_serving.py's negative control), output from a wrong prefix (a
+    chunk of another prompt's) chose a token within `tol` of the right one's in 2 to 8
+    prompts of 40; its best five differed in all but at most one."""
+    tops = zip(a.top, b.top, strict=False) if a.top and b.top else repeat(None)
+    for i, (ta, tb, la, lb, pair) in enumerate(
+        zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, tops, strict=False)
     ):
-        if abs(la - lb) > tol:
+        if abs(la - lb) > tol or (pair is not None and _best_differ(*pair, tol)):
             return i
         if ta != tb:
             return None
     return None
+
+
+def _best_differ(x: dict, y: dict, tol: float) -> bool:
+    """Whether two positions' best-token logprobs differ by more than `tol`: the k best
+    rank by rank, and every token both list."""
+    k = min(len(x), len(y), TOP_LOGPROBS)
+    best_x, best_y = sorted(x.values(), reverse=True)[:k], sorted(y.values(), reverse=True)[:k]
+    ranked = zip(best_x, best_y, strict=True)
+    return any(abs(p - q) > tol for p, q in ranked) or any(
+        abs(x[t] - y[t]) > tol for t in x.keys() & y.keys()
+    )
 
 
 _RECORD = re.compile(r"^\((?P<proc>[^)]*)\) (?P<level>[A-Z]+) \S+ \S+ \[(?P<site>[^\]]+)\]")
@@ -422,7 +443,7 @@ async def complete(
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=0,
-        logprobs=1,
+        logprobs=TOP_LOGPROBS,
         # The test servers load no tokenizer: logprobs name their tokens by id.
         extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True, **extra},
     )
@@ -434,7 +455,15 @@ async def complete(
         prompt_tokens=r.usage.prompt_tokens if r.usage else len(prompt),
         finish_reason=choice.finish_reason,
         logprobs=list(choice.logprobs.token_logprobs) if choice.logprobs else [],
+        top=[_by_id(best) for best in choice.logprobs.top_logprobs or []]
+        if choice.logprobs
+        else [],
     )
+
+
+def _by_id(best: dict[str, float]) -> dict[int, float]:
+    """A position's best tokens, named "token_id:N" by a server with no tokenizer."""
+    return {int(name.rpartition(":")[2]): lp for name, lp in best.items()}
 
 
 async def stream_then_close(

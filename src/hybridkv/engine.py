@@ -72,11 +72,20 @@ def _release_process_state() -> None:
     cleanup_dist_env_and_memory()
 
 
+# The best tokens whose logprobs a generation keeps at each position: a comparison of
+# outputs that sees the distribution, not just the chosen token (`Generation.top`).
+TOP_LOGPROBS = 5
+
+
 @dataclass
 class Generation:
     token_ids: list[int]
     logprobs: list[float]  # of each chosen token
     num_cached_tokens: int
+    # At each position the TOP_LOGPROBS best tokens' logprobs (and the chosen token's):
+    # the tiny models' distributions are nearly flat, so output from a wrong prefix often
+    # chooses a token about as likely as the right one's, while its best five move.
+    top: list[dict[int, float]]
 
 
 def generate(
@@ -87,7 +96,7 @@ def generate(
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(
-        temperature=0, max_tokens=max_tokens, logprobs=0, detokenize=False, **sp
+        temperature=0, max_tokens=max_tokens, logprobs=TOP_LOGPROBS, detokenize=False, **sp
     )
     salted = {"cache_salt": salt} if salt is not None else {}
     inputs = [TokensPrompt(prompt_token_ids=p, **salted) for p in prompts]
@@ -96,8 +105,9 @@ def generate(
     result = []
     for o in outs:
         c = o.outputs[0]
-        lps = [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids, strict=True)]
-        result.append(Generation(list(c.token_ids), lps, o.num_cached_tokens or 0))
+        top = [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs]
+        lps = [step[tok] for step, tok in zip(top, c.token_ids, strict=True)]
+        result.append(Generation(list(c.token_ids), lps, o.num_cached_tokens or 0, top))
     return result
 
 
