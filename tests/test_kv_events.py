@@ -367,3 +367,70 @@ def test_block_hashes_go_out_as_ints_where_vllm_is_asked_to(monkeypatch):
         ints = p.block_hashes(True)
         assert ints == [maybe_convert_block_hash(h) for h in same]
         assert all(isinstance(h, int) for h in ints)
+
+
+@pytest.mark.parametrize("kinds", [("state",), ("sliding", "state")])
+def test_a_layout_without_full_attention_keeps_no_chunk_nodes(monkeypatch, kinds):
+    """With no full-attention group no chunk has entries to announce and no boundary
+    hangs on a chunk: the events register no chunks at all (they were registered and
+    never freed, one per distinct chunk stored, for good). Model-free: a real index,
+    planner and vLLM requests; 200 distinct prompts stored, then all evicted."""
+    import types
+
+    import torch
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+    from vllm.v1.request import Request
+
+    from hybridkv.core import resumable
+    from hybridkv.core.index import StoreIndex
+    from hybridkv.core.keys import extend_chain, group_key
+    from hybridkv.core.layout import GroupKind, GroupSpec, Layout
+    from hybridkv.core.planner import Planner
+    from hybridkv.vllm.kv_events import KVEvents
+
+    monkeypatch.setattr(resumable, "DORMANT_LIMIT", 8)
+    init_none_hash(sha256)
+    bs, window = 16, 32
+    specs = {
+        "sliding": SlidingWindowSpec(
+            block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float16, sliding_window=window
+        ),
+        "state": MambaSpec(
+            block_size=bs, shapes=((4,),), dtypes=(torch.float16,), mamba_cache_mode="align"
+        ),
+    }
+    groups = tuple(
+        GroupSpec(GroupKind(k), bs, 100, (f"l{i}",), window if k == "sliding" else None)
+        for i, k in enumerate(kinds)
+    )
+    planner = Planner(groups)
+    index = StoreIndex(1 << 30, 1, False, recurrent=True)
+    kcc = types.SimpleNamespace(
+        hash_block_size=bs,
+        kv_cache_groups=[types.SimpleNamespace(kv_cache_spec=specs[k]) for k in kinds],
+    )
+    events = KVEvents(Layout("m", groups), planner, kcc, index, disk=False)
+    index.listener = events
+    C = planner.chunk_tokens
+    hasher = get_request_block_hasher(bs, sha256)
+    for p in range(200):
+        tokens = [p * 1000 + i for i in range(4 * C + 1)]
+        keys = extend_chain([], b"s" * 16, tokens, C, None, len(tokens))
+        windows = [
+            group_key(keys[c], g) for c in range(4) for g, k in enumerate(kinds) if k != "state"
+        ]
+        for e in windows:
+            assert index.admit(e, 100)
+        states = [(group_key(keys[3], g), 100) for g, k in enumerate(kinds) if k == "state"]
+        assert index.admit_boundary(states, windows, 4 * C, 100)
+        req = Request(f"r{p}", tokens, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+        events.observe(req, keys, [4 * C])
+        events.take()
+    assert events.tracker.sizes()["shown"] > 0  # the boundaries were announced
+    index.evict_all()
+    events.take()
+    sizes = events.tracker.sizes()
+    assert sizes["nodes"] == 0 and sizes["boundaries"] <= 8, sizes

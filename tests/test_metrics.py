@@ -6,6 +6,7 @@ About 90 s on 2 cores (one server, one in-process engine)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import socket
@@ -82,18 +83,17 @@ def assert_counters_grew(after: Scrape, before: Scrape) -> None:
 # ---- reports: increases, merging, clamping (no engine) -----------------------------------------
 @given(st.lists(st.integers(0, 10**6), max_size=30))
 def test_reporter_reports_every_increase_and_never_a_decrease(totals: list[int]) -> None:
-    """A counter whose total goes back (a reset elsewhere) is re-based: the sum of the
-    reports is the sum of the rises, each report non-negative."""
+    """A total that goes back (a reading that failed: a tier's `stats` answers zeros
+    after a fault) counts nothing, and its history is not counted again when the real
+    total returns: the sum of the reports is the highest total read, each report
+    non-negative."""
     reporter = metrics.Reporter("rank0")
     reported = []
     for t in totals:
         report = reporter.report({"stored_bytes": {"cpu": t}})
         reported.append(report["counters"].get("stored_bytes", {}).get("cpu", 0))
-    rises = [b - a for a, b in zip([0, *totals], totals, strict=False) if b > a]
     assert all(r >= 0 for r in reported)
-    assert sum(reported) == sum(rises)
-    if totals == sorted(totals):
-        assert sum(reported) == (totals[-1] if totals else 0)
+    assert sum(reported) == max(totals, default=0)
 
 
 report_st = st.fixed_dictionaries(
@@ -474,12 +474,18 @@ def test_a_lookup_is_counted_once_vllm_allocates_for_it(tmp_path_factory):
     eng.check_settled()
 
 
-def test_every_stats_message_carries_every_ranks_gauges(tmp_path_factory):
+@pytest.mark.parametrize("multi", [False, True], ids=["alone", "under-MultiConnector"])
+def test_every_stats_message_carries_every_ranks_gauges(tmp_path_factory, multi):
     """vLLM hands a step's stats to one front end only (`--api-server-count` > 1), and a
     rank reports a gauge only when it changed: each message carries every rank's latest
-    gauges whenever one changed, so whichever front end gets it sums all ranks."""
+    gauges whenever one changed, so whichever front end gets it sums all ranks. Under
+    MultiConnector the workers' stats reach `update_connector_output` in its
+    per-connector map, which must be looked into."""
     from test_async_scheduling import _configs, config_dir
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiKVConnectorStats,
+    )
     from vllm.v1.outputs import KVConnectorOutput
 
     from hybridkv.core import metrics as core
@@ -495,9 +501,10 @@ def test_every_stats_message_carries_every_ranks_gauges(tmp_path_factory):
         worker = core.empty()
         for reporter, value in zip(ranks, occupancy, strict=True):
             core.merge(worker, reporter.report({}, {"occupancy_bytes": {"cpu": value}}))
-        conn.update_connector_output(
-            KVConnectorOutput(kv_connector_stats=HybridKVStats(data=worker))
-        )
+        stats = HybridKVStats(data=core.merge(core.empty(), worker))
+        if multi:
+            stats = MultiKVConnectorStats(data={"HybridKVConnector": stats})
+        conn.update_connector_output(KVConnectorOutput(kv_connector_stats=stats))
         stats = conn.get_kv_connector_stats()
         merged = HybridKVStats(data=worker).aggregate(stats)  # as vLLM's scheduler does
         core.merge(fronts[front], merged.data)
@@ -506,3 +513,65 @@ def test_every_stats_message_carries_every_ranks_gauges(tmp_path_factory):
     assert step(0, (100, 100)) == 200
     assert step(1, (100, 160)) == 260  # front end 1 never saw rank 0's report
     assert step(0, (90, 160)) == 250  # nor front end 0 rank 1's change
+
+
+def test_a_failed_registration_leaves_a_stand_in_that_records_nothing(monkeypatch):
+    """Registering the metrics fails: vLLM's front end still gets an object to call
+    (MultiConnector's wrapper asserts every connector's is there), which records
+    nothing and raises nothing."""
+    from hybridkv.vllm import connector as connector_module
+    from hybridkv.vllm.connector import HybridKVConnector
+    from hybridkv.vllm.metrics import NoPromMetrics
+
+    def broken(*args, **kwargs):
+        raise ValueError("Duplicated timeseries in CollectorRegistry")
+
+    monkeypatch.setattr(connector_module, "HybridKVPromMetrics", broken)
+    registry = CollectorRegistry()
+    types = {k: functools.partial(k, registry=registry) for k in (Counter, Gauge, Histogram)}
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}),
+        model_config=SimpleNamespace(served_model_name="m"),
+    )
+    got = HybridKVConnector.build_prom_metrics(vllm_config, types, ["engine"], {0: ["0"]})
+    assert isinstance(got, NoPromMetrics)
+    got.observe({"counters": {"lookups": {"cpu": 1}}}, 0)
+    assert not [m for m in registry.collect() if m.name.startswith("vllm:hybridkv")]
+
+
+MULTIPROCESS_MODE = """
+import json, sys
+from types import SimpleNamespace
+from hybridkv.vllm.metrics import start_metrics_server
+vllm_config = SimpleNamespace(
+    kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}),
+    model_config=SimpleNamespace(served_model_name="m"),
+)
+print(json.dumps(start_metrics_server(vllm_config, int(sys.argv[1])) is None))
+"""
+
+
+def test_metrics_port_is_ignored_in_prometheus_multiprocess_mode(tmp_path: Path) -> None:
+    """vLLM's server with several API processes puts prometheus_client in multiprocess
+    mode (PROMETHEUS_MULTIPROC_DIR, set before any import): a `metrics_port` registry
+    would then write its figures into the directory the server's /metrics sums, each
+    counted twice. It is not started, and nothing is written there."""
+    import os
+    import subprocess
+
+    shared = tmp_path / "prom"
+    shared.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared)}
+    port = str(_free_port())
+    out = subprocess.run(
+        [sys.executable, "-c", MULTIPROCESS_MODE, port], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) is True
+    assert "metrics_port" in out.stderr and "multiprocess" in out.stderr
+    assert list(shared.iterdir()) == []
+    env.pop("PROMETHEUS_MULTIPROC_DIR")
+    out = subprocess.run(
+        [sys.executable, "-c", MULTIPROCESS_MODE, port], env=env, capture_output=True, text=True
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1]) is False  # started without it

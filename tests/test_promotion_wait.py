@@ -103,3 +103,35 @@ def test_promotions_that_never_finish_end_the_wait_after_the_bound(waiting, monk
     clock.now += 2
     assert side.num_new_matched_tokens(req, 0) == 0  # overdue: no boundary is in CPU memory
     assert side.index.pinned() == 0
+
+
+def test_a_hit_in_cpu_memory_after_a_failed_wait_is_counted_as_cpu(waiting):
+    """The hit's tier (metrics, vLLM's cached-by-source) is where what it reads came
+    from: a wait for disk promotions that failed, followed by a shorter hit CPU memory
+    held all along, is a CPU hit, not a disk one. Then its load fails: its tokens are
+    counted as failed too."""
+    side, req, needed = waiting
+    keys = side._keys(side._state(req), len(req.prompt_token_ids))
+    # CPU memory holds the first two chunks and the states at their end.
+    head = [group_key(k, 0) for k in keys[:2]]
+    for k in head:
+        assert side.index.admit(k, 64)
+    states = [(group_key(keys[1], g), 32) for g in STATES]
+    assert side.index.admit_boundary(states, head, 2 * BLOCK, 64 + 128)
+    assert side.num_new_matched_tokens(req, 0) is None  # waits for the disk's longer hit
+    promoted(side, needed[-1:], ok=False)  # a state at the end is damaged on disk
+    promoted(side, needed[:-1])
+    assert side.num_new_matched_tokens(req, 0) == 2 * BLOCK
+    assert side.hit_source(req) == "cpu"
+
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    groups = len(side.layout.groups)
+    blocks = KVCacheBlocks(tuple([KVCacheBlock(i) for i in range(CHUNKS)] for _ in range(groups)))
+    side.after_alloc(req, blocks, 2 * BLOCK)
+    side.loads_failed([req.request_id])
+    counters, _ = side.metrics()
+    assert counters["hit_tokens"] == {"cpu": 2 * BLOCK}
+    assert counters["failed_load_tokens"] == {"cpu": 2 * BLOCK}
+    assert counters["failed_promotions"] == {"disk": 1}

@@ -22,12 +22,14 @@ class World:
     """A forest of chains over a few chunks, the boundaries registered on it and which
     entries each tier holds; the tracker under test follows along."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_dormant: bool = True) -> None:
         self.present: dict[str, set[bytes]] = {t: set() for t in TIERS}
         self.parent: dict[bytes, bytes | None] = {}
         self.full: dict[bytes, tuple[bytes, ...]] = {}
         self.bounds: dict[bytes, tuple[bytes | None, tuple[bytes, ...]]] = {}
-        self.tracker = ResumableTracker(TIERS, lambda t, e: e in self.present[t])
+        self.tracker = ResumableTracker(
+            TIERS, lambda t, e: e in self.present[t], keep_dormant=keep_dormant
+        )
         self.replayed: dict[str, set[bytes]] = {t: set() for t in TIERS}
 
     def chain(self, path: tuple[int, ...]) -> bytes | None:
@@ -137,8 +139,8 @@ def assert_consistent(t: ResumableTracker) -> None:
     assert linked == listed
 
 
-def run_program(program) -> None:
-    w = World()
+def run_program(program, keep_dormant: bool = True) -> None:
+    w = World(keep_dormant)
     for op in program:
         if op[0] == "boundary":
             _, path, states = op
@@ -209,6 +211,22 @@ def test_dormant_boundaries_are_bounded(monkeypatch):
     assert sizes["boundaries"] == sizes["dormant"] == 3
 
 
+def test_without_tiers_below_no_boundary_is_kept_dormant():
+    """Where entries never arrive by themselves (CPU memory alone), a boundary true
+    nowhere is forgotten at once, with the chunks only it led to; one true somewhere
+    stays, and is forgotten once it is true nowhere."""
+    w = World(keep_dormant=False)
+    for i in range(10):
+        node = w.chain((i,))
+        w.tracker.boundary(b"b%d" % i, node, (b"S%d" % i,))
+    assert w.tracker.sizes() == {"nodes": 0, "boundaries": 0, "dormant": 0, "shown": 0}
+    w.present["cpu"].update({b"F\x0a", b"S10"})
+    w.tracker.boundary(b"b10", w.chain((10,)), (b"S10",))
+    assert w.tracker.sizes()["boundaries"] == 1 and w.tracker.shown("cpu") == {b"F\x0a", b"S10"}
+    w.toggle("cpu", b"S10")
+    assert w.tracker.sizes() == {"nodes": 0, "boundaries": 0, "dormant": 0, "shown": 0}
+
+
 def test_a_burst_comes_out_as_one_announcement_per_tier():
     """100,000 boundaries announced, then everything leaves CPU memory at once (a reset):
     one retraction carries them all, and nothing is kept pending afterwards."""
@@ -246,13 +264,16 @@ def _random_program(rng: random.Random, length: int) -> list[tuple]:
     return program
 
 
-@pytest.mark.parametrize("limit", [2, 5, resumable.DORMANT_LIMIT])
+@pytest.mark.parametrize("limit", [0, 2, 5, resumable.DORMANT_LIMIT])
 def test_long_random_histories(monkeypatch, limit):
     """Long seeded histories (the seed printed): hypothesis' short programs rarely free a
-    row or a watch link and hand it out again, which long ones do all the time."""
+    row or a watch link and hand it out again, which long ones do all the time. Limit 0:
+    no boundary kept dormant (`keep_dormant` off), each forgotten in the middle of the
+    change that made it true nowhere."""
     seed = SEED * 1000 + limit
     print(f"seed {seed}")
     rng = random.Random(seed)
-    monkeypatch.setattr(resumable, "DORMANT_LIMIT", limit)
+    if limit:
+        monkeypatch.setattr(resumable, "DORMANT_LIMIT", limit)
     for _ in range(40):
-        run_program(_random_program(rng, 300))
+        run_program(_random_program(rng, 300), keep_dormant=limit > 0)

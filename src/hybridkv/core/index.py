@@ -138,6 +138,7 @@ class StoreIndex:
         self._listed: set[int] | None = set() if disk else None
         self._sources: dict[bytes, str] = {}  # promotions under way: key -> tier read
         self.promoted_from: Counter[str] = Counter()  # promotions done, by tier
+        self.failed_from: Counter[str] = Counter()  # promotions failed, by tier
         self.epoch = 0  # advanced by `clear`: reports from an older epoch are stale
         self.orders = Orders()  # what the next step's metadata carries (evict, delete: below)
         # This step's evictions and deletions, in order (an entry stored again leaves them).
@@ -453,6 +454,7 @@ class StoreIndex:
         if not ok:
             self.stats.failed_promotions += 1
             tier = self._sources.get(key, "disk")
+            self.failed_from[tier] += 1
             self._drop_cpu([key])
             self._evict[key] = None
             # Damaged or gone there: never planned around again (a probe may find it anew).

@@ -22,8 +22,10 @@ when it changed, so whoever reduces them (`gauge_values`) must remember each sou
 last value; two reports of one source keep the newer.
 
 A counter increment is never negative (`clamp`): Prometheus raises on one, which once
-crashed a metrics logger under concurrency. A total that goes back (a counter reset
-elsewhere) is logged and re-based, never reported as a decrease.
+crashed a metrics logger under concurrency. A total that goes back is logged and not
+counted, and the highest total stays the mark: nothing resets hybridkv's counters, so a
+lower one is a reading that failed (a tier's `stats` answering zeros after a fault), and
+re-basing on it would count the whole history again at the next good reading.
 """
 
 from __future__ import annotations
@@ -159,12 +161,12 @@ class Reporter:
         observations: Mapping[str, Mapping[str, list[float]]] | None = None,
     ) -> Report:
         """A report of what changed since the previous call; `is_empty` if nothing did.
-        A total below the previous one is re-based (`clamp` logs it)."""
+        A total below the highest so far counts nothing (`clamp` logs it)."""
         out = empty()
         for name, by_tier in totals.items():
             for tier, total in by_tier.items():
                 last = self._totals.get((name, tier), 0)
-                self._totals[name, tier] = total
+                self._totals[name, tier] = max(last, total)
                 inc = clamp(f"{name}[{tier}]", total - last)
                 if inc:
                     out["counters"].setdefault(name, {})[tier] = inc

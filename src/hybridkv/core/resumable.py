@@ -46,7 +46,8 @@ from hybridkv.core.keytable import KeyTable, RowBytes
 from hybridkv.core.rows import Rows
 
 # Boundaries restorable nowhere are kept (their entries may arrive later: a disk write
-# lands steps after the store) up to this many, the least recently registered dropped.
+# lands steps after the store) up to this many, the least recently registered dropped
+# (none where `keep_dormant` is off). Each keeps the chunks of its chain alive.
 DORMANT_LIMIT = 4096
 
 NONE = -1  # no row: a root node's parent, a boundary that needs no chunk, a list's end
@@ -94,8 +95,14 @@ def _check(keys: Iterable[bytes]) -> None:
 
 
 class ResumableTracker:
-    def __init__(self, tiers: Sequence[str], present: Callable[[str, bytes], bool]):
+    def __init__(
+        self,
+        tiers: Sequence[str],
+        present: Callable[[str, bytes], bool],
+        keep_dormant: bool = True,
+    ):
         self.tiers = tuple(tiers)
+        self._keep_dormant = keep_dormant
         self._tier = {tier: t for t, tier in enumerate(self.tiers)}
         self._present = present
         self._nodes = KeyTable()  # chunk key -> its row
@@ -320,7 +327,7 @@ class ResumableTracker:
             return
         self._dormant[bid] = None
         self._dormant.move_to_end(bid)
-        while len(self._dormant) > DORMANT_LIMIT:
+        while len(self._dormant) > (DORMANT_LIMIT if self._keep_dormant else 0):
             self.forget(next(iter(self._dormant)))
 
     def forget(self, bid: bytes) -> None:

@@ -46,6 +46,8 @@ from hybridkv.vllm.metrics import (
     HybridKVPromMetrics,
     HybridKVStats,
     MetricsServer,
+    NoPromMetrics,
+    own_stats,
     start_metrics_server,
     stats_or_none,
 )
@@ -273,7 +275,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 tiers=[(t.kind, t.load_weight) for t in below],
                 probe=probe,
                 split_guard=split_guard,
-                events=kv_events(vllm_config, self.layout, self.planner, kv_cache_config, index),
+                events=kv_events(
+                    vllm_config, self.layout, self.planner, kv_cache_config, index, bool(below)
+                ),
                 # A CPU cache copies within `wait_for_save`; with one batch in flight
                 # (no async scheduling, no pipeline stages) no step overlaps the next.
                 stores_land_in_step=vllm_config.device_config.device_type == "cpu"
@@ -345,7 +349,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_guarded(lambda: None)
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        stats = connector_output.kv_connector_stats
+        stats = own_stats(connector_output.kv_connector_stats)
         if stats is not None:
             self._worker_report = metrics.merge(metrics.empty(), stats.data)
         meta = connector_output.kv_connector_worker_meta
@@ -485,13 +489,20 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> HybridKVPromMetrics | None:
-        """vLLM's front end builds this once; a failure costs the metrics, not the server."""
+        """vLLM's front end builds this once; a failure costs the metrics, not the server:
+        what is returned then records nothing (None would do for this connector alone,
+        but under MultiConnector vLLM's wrapper asserts every connector's is there, in
+        the front end's stat logging, which then fails the requests it serves)."""
         try:
             return HybridKVPromMetrics(
                 vllm_config, metric_types, labelnames, per_engine_labelvalues
             )
         except Exception:
             log.exception("hybridkv: registering the vllm:hybridkv_* metrics failed")
+        try:
+            return NoPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        except Exception:
+            log.exception("hybridkv: even a metrics stand-in failed")
             return None
 
     # ---- both --------------------------------------------------------------------------------

@@ -105,12 +105,14 @@ def kv_events(
     planner: Planner,
     kv_cache_config: KVCacheConfig,
     index: StoreIndex,
+    below: bool,
 ) -> KVEvents | None:
-    """The scheduler side's events when vLLM publishes KV cache events, else None."""
+    """The scheduler side's events when vLLM publishes KV cache events, else None.
+    `below`: the engine has tiers below CPU memory."""
     cfg = vllm_config.kv_events_config
     if cfg is None or not cfg.enable_kv_cache_events:
         return None
-    return KVEvents(layout, planner, kv_cache_config, index, disk=index.has_disk)
+    return KVEvents(layout, planner, kv_cache_config, index, disk=index.has_disk, below=below)
 
 
 def _group(p: _Payload) -> int:
@@ -128,6 +130,7 @@ class KVEvents:
         kv_cache_config: KVCacheConfig,
         index: StoreIndex,
         disk: bool,
+        below: bool = True,
     ):
         self.layout = layout
         self.planner = planner
@@ -139,7 +142,11 @@ class KVEvents:
         self._full = [g for g, s in enumerate(layout.groups) if s.kind is GroupKind.FULL]
         self._state = [g for g, s in enumerate(layout.groups) if s.kind is GroupKind.STATE]
         tiers = ("cpu", "disk") if disk else ("cpu",)
-        self.tracker = ResumableTracker(tiers, self._present)
+        # Boundaries restorable nowhere wait only where entries arrive by themselves
+        # (disk writes landing, promotions): with CPU memory alone a boundary's entries
+        # come back only with a request that stores or restores it, which registers it
+        # again, and each one kept would hold its whole chain's payloads for nothing.
+        self.tracker = ResumableTracker(tiers, self._present, keep_dormant=below)
         self._payloads = RowBytes()  # entry -> its `_Payload`, pickled
         self._final: list[KVCacheEvent] = []  # the retractions `stop` leaves to send
         self.broken = False  # an error in the tracker turned the events off
@@ -202,7 +209,9 @@ class KVEvents:
             resolve_block_hashes(request.block_hashes, self.hash_block_size, g.block_tokens)
             for g in self.layout.groups
         ]
-        top = max(boundaries, default=0) // C
+        # The chunks only where boundaries hang on them (a layout without full attention
+        # has none to announce, and chunks no boundary hangs on would never be freed).
+        top = max(boundaries, default=0) // C if self._full else 0
         parent = None
         for c in range(top):
             key = keys[c]

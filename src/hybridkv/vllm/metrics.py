@@ -5,13 +5,16 @@ reports (core/metrics.py) from the workers and the scheduler side to vLLM's stat
 `metrics_port` for engines without vLLM's server (offline `LLM`).
 
 How a figure travels: each worker's `get_kv_connector_stats` returns the increase of its
-counters since the last call (every step, after `build_connector_worker_meta`); vLLM's
+counters since the last call (every step, just before `build_connector_worker_meta`:
+what lands in that call is counted a step later); vLLM's
 output aggregator merges the ranks' reports (`aggregate`); the scheduler merges in the
 scheduler side's own report and hands the payload (`to_dict`) with its scheduler stats to
 the front-end process, where vLLM's `PrometheusStatLogger` builds `HybridKVPromMetrics`
 from the connector class (`build_prom_metrics`) and calls `observe` with it. vLLM drops
 the payload when stats logging is off (`disable_log_stats`, the offline default):
-`metrics_port` exists for that case.
+`metrics_port` exists for that case. Figures move only while the engine steps: an idle
+engine asks for no stats, so a tier that goes down or a disk writer that finishes while
+no request runs shows at the next request.
 
 Nothing here may raise into vLLM: a failing `observe` is logged and skipped.
 """
@@ -23,7 +26,14 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
+from prometheus_client import values as prom_values
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -47,7 +57,7 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 # name -> (kind, documentation, tiers). Every metric has vLLM's labels (model_name,
 # engine) and `tier`: cpu, disk or redis, or "none" where no tier served (a miss). `tiers`
 # names the label values a counter or histogram starts at 0 with: "each" configured tier,
-# "each+none", or the one value given.
+# "each+none", "below" (each but cpu), or the one value given.
 METRICS: dict[str, tuple[type[PromMetric], str, str]] = {
     "lookups": (
         Counter,
@@ -59,13 +69,34 @@ METRICS: dict[str, tuple[type[PromMetric], str, str]] = {
     "hit_tokens": (
         Counter,
         "Prompt tokens restored by hybridkv, beyond vLLM's own prefix-cache hit, counted "
-        "when vLLM allocates the hit; by tier as for lookups.",
+        "when vLLM allocates the hit; by tier as for lookups. Those whose load then "
+        "failed are counted again in failed_load_tokens.",
         "each",
+    ),
+    "failed_load_tokens": (
+        Counter,
+        "Tokens counted in hit_tokens whose load failed (an entry a worker could not "
+        "read or copy): vLLM recomputed them. hit_tokens minus these is what restores "
+        "served.",
+        "each",
+    ),
+    "failed_promotions": (
+        Counter,
+        "Entries a promotion could not read from a lower tier on some rank (gone, "
+        "damaged, the tier down); the hit stops short of them.",
+        "below",
+    ),
+    "errors": (
+        Counter,
+        "Faults hybridkv caught at vLLM's hooks instead of raising them into vLLM, on the "
+        "scheduler side and each rank (each logged with its traceback; tier is none). "
+        "Anything but 0 is worth a bug report.",
+        "none",
     ),
     "miss_tokens": (
         Counter,
         "Prompt tokens past vLLM's own hit and hybridkv's hit at each answered lookup "
-        "(they are computed); tier is none.",
+        "(they are computed; short_of_state_tokens are among them); tier is none.",
         "none",
     ),
     "short_of_state_tokens": (
@@ -90,7 +121,8 @@ METRICS: dict[str, tuple[type[PromMetric], str, str]] = {
     "evictions": (
         Counter,
         "Entries evicted from a tier: cpu on the scheduler side's orders or its safety "
-        "bound, disk by its byte budget. Each rank's shard counts.",
+        "bound, disk by its byte budget (redis evicts on its own, unseen: always 0). "
+        "Each rank's shard counts.",
         "each",
     ),
     "dropped_stores": (
@@ -101,15 +133,17 @@ METRICS: dict[str, tuple[type[PromMetric], str, str]] = {
     ),
     "damaged_entries": (
         Counter,
-        "Unusable entries found on reading (damaged, truncated, wrong format or "
-        "integrity key), each answered as a miss. Each rank's shard counts.",
+        "Unusable entries found on reading from disk or redis (damaged, truncated, wrong "
+        "format or integrity key), each answered as a miss. Each rank's shard counts.",
         "each",
     ),
     "occupancy_bytes": (Gauge, "Bytes a tier holds, summed over tensor-parallel ranks.", "each"),
     "held_entries": (
         Gauge,
-        "Entries pinned in CPU memory for hits between their lookup and their load; 0 "
-        "when no request is between the two.",
+        "Pins on entries in CPU memory (an entry pinned twice counts twice): those of "
+        "hits between their lookup and their load, and those running requests hold "
+        "(what their stores admitted, their latest decode-time state). 0 when no "
+        "request is in flight (above 0 then: a leak).",
         "cpu",
     ),
     "tier_up": (Gauge, "1 while the tier serves on every rank, 0 while it is down.", "each"),
@@ -123,8 +157,9 @@ METRICS: dict[str, tuple[type[PromMetric], str, str]] = {
     ),
     "load_seconds": (
         Histogram,
-        "Seconds a batch of loads took: cpu, a step's restores into the KV cache; disk "
-        "and redis, a promotion batch read into CPU memory.",
+        "Seconds a batch of loads took: cpu, a step's restores into the KV cache (on a "
+        "GPU until seen landed, within a step of landing); disk and redis, a promotion "
+        "batch read into CPU memory.",
         "each",
     ),
     "store_seconds": (
@@ -157,6 +192,15 @@ class HybridKVStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return core.is_empty(self.data)
+
+
+def own_stats(stats: KVConnectorStats | None) -> HybridKVStats | None:
+    """hybridkv's stats in what vLLM hands `update_connector_output`: the stats
+    themselves, or under MultiConnector one entry of its per-connector map."""
+    if stats is None or isinstance(stats, HybridKVStats):
+        return stats
+    inner = stats.data.values() if isinstance(stats.data, dict) else ()
+    return next((s for s in inner if isinstance(s, HybridKVStats)), None)
 
 
 def stats_or_none(report: core.Report) -> HybridKVStats | None:
@@ -193,7 +237,11 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):
             )
             if kind is Gauge:
                 continue  # no figure before the first report (a tier is not down at 0)
-            start = {"each": tiers, "each+none": [*tiers, "none"]}.get(which, [which])
+            start = {
+                "each": tiers,
+                "each+none": [*tiers, "none"],
+                "below": [t for t in tiers if t != "cpu"],
+            }.get(which, [which])
             for labels in per_engine_labelvalues.values():
                 for tier in start:
                     self._metrics[name].labels(*labels, tier)
@@ -226,6 +274,14 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):
                 child = self._metrics[name].labels(*labels, tier)
                 for v in values:
                     child.observe(v)
+
+
+class NoPromMetrics(KVConnectorPromMetrics):
+    """What vLLM's front end gets where `HybridKVPromMetrics` could not be built: it
+    records nothing (the failure was logged)."""
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        pass
 
 
 def _configured_tiers(vllm_config: VllmConfig) -> list[str]:
@@ -268,7 +324,16 @@ def start_metrics_server(
 ) -> MetricsServer | None:
     """The server on `host` (`metrics_host`: this machine alone unless told otherwise), or
     None with a warning when it cannot start (the port is taken): metrics are not worth
-    an engine."""
+    an engine. Not under prometheus_client's multiprocess mode (vLLM's server sets it for
+    several API processes): every metric, on any registry, then writes to the shared
+    directory the server's `/metrics` sums, which would count each figure twice."""
+    if prom_values.ValueClass is not prom_values.MutexValue:
+        log.warning(
+            "hybridkv: metrics_port %d ignored: prometheus_client is in multiprocess mode "
+            "(PROMETHEUS_MULTIPROC_DIR), so vLLM's server has the metrics on /metrics",
+            port,
+        )
+        return None
     try:
         server = MetricsServer(vllm_config, port, host)
     except Exception as e:

@@ -83,6 +83,9 @@ class SchedulerStats:
     miss_tokens: int = 0  # queried tokens an answered lookup did not serve
     waits: int = 0  # lookups answered "ask again": disk entries on their way
     failed_plans: int = 0  # hits whose load could not be planned (reported failed)
+    # Tokens of hits counted in hit_tokens whose load failed (vLLM recomputed them), by
+    # the tier the hit came from.
+    failed_load_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     hook_errors: int = 0  # exceptions caught at the connector boundary
     # Prompt tokens past vLLM's own hit a lookup could not serve, by what stopped the hit
     # (a cap, not a forecast: tokens at and past the prompt's last boundary never count):
@@ -115,7 +118,9 @@ class _RequestState:
     before_load: int = 0
     hit: tuple[int, int] | None = None  # (local tokens, boundary) of the reported hit
     hit_source: str = "cpu"  # the tier the reported hit came from
+    loading: int = 0  # tokens of its planned load (counted in hit_tokens)
     promoted_from: str | None = None  # the tier this lookup's wait promotes from
+    waited_on: frozenset[bytes] = frozenset()  # the entries that wait was for
     waited_at: int = -1  # vLLM's own hit when it last waited for promotions
     pins: list[bytes] = field(default_factory=list)  # entries its hit or wait needs
     waiting_since: float | None = None  # first "ask again" of this wait
@@ -330,16 +335,22 @@ class SchedulerSide:
                 if st.waiting_since is None:
                     st.waiting_since = time.monotonic()
                 st.promoted_from, st.waited_at = tier, local_tokens
+                st.waited_on = frozenset(waits)
                 self.stats.waits += 1
                 return None
             index.touch(wanted)
             st.waiting_since = None
             st.hit = (local_tokens, boundary)
-            st.hit_source, st.promoted_from = st.promoted_from or "cpu", None
+            # From below only if it reads what the wait promoted (not when those
+            # promotions failed or were overdue and a hit in CPU memory alone was found).
+            below = st.promoted_from is not None and not st.waited_on.isdisjoint(wanted)
+            st.hit_source = st.promoted_from if below else "cpu"
+            st.promoted_from, st.waited_on = None, frozenset()
             self._answered(st, keys, local_tokens, boundary, st.hit_source)
             return boundary - local_tokens
         self._pin(st, [])
         st.waiting_since = st.promoted_from = None
+        st.waited_on = frozenset()
         self._answered(st, keys, local_tokens, 0, "none")
         return 0
 
@@ -527,6 +538,7 @@ class SchedulerSide:
         st.pins = []
         self.stats.hit_tokens += num_external
         _add(self.stats.hit_tokens_by_tier, st.hit_source, num_external)
+        st.loading = num_external
         # What was loaded is stored already (unless the load fails: `loads_failed`).
         st.before_load = st.stored_chunks
         st.stored_chunks = max(st.stored_chunks, boundary // self.planner.chunk_tokens)
@@ -994,6 +1006,9 @@ class SchedulerSide:
             "hit_tokens": dict(s.hit_tokens_by_tier),
             "miss_tokens": {"none": s.miss_tokens},
             "short_of_state_tokens": {"none": s.short_of_state},
+            "failed_load_tokens": dict(s.failed_load_tokens_by_tier),
+            "failed_promotions": dict(self.index.failed_from),
+            "errors": {"none": s.hook_errors},
         }
         return counters, {"held_entries": {"cpu": self.index.pinned()}}
 
@@ -1039,6 +1054,8 @@ class SchedulerSide:
         for req_id in req_ids:
             st = self._reqs.get(req_id)
             if st is not None:
+                _add(self.stats.failed_load_tokens_by_tier, st.hit_source, st.loading)
+                st.loading = 0
                 st.load_failed = True
                 st.stored_chunks = min(st.stored_chunks, st.before_load)
 

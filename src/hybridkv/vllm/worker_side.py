@@ -185,6 +185,7 @@ class WorkerSide:
         self._tags: dict[str, list[int]] = {}
         # Stores still being copied out, oldest first (see `_land`).
         self._landing: list[_Landing] = []
+        self._timing: list[tuple[Landing, float]] = []  # load batches not seen landed
         self.stats = WorkerStats()
         # Latencies observed since the last `metrics` call: {histogram: {tier: [s]}}.
         self._latencies: Observations = {}
@@ -327,7 +328,8 @@ class WorkerSide:
         try:
             started = time.perf_counter()
             landing = self.copies.scatter(batch, list(after.values()))
-            self._observe("load_seconds", "cpu", started)
+            self._timing.append((landing, started))
+            self._time_loads()
         except Exception:
             # Blocks may be half written; vLLM recomputes every one of these requests.
             log.exception("hybridkv: restoring %d requests failed", len(touched))
@@ -371,12 +373,29 @@ class WorkerSide:
             restore.failed = True
             restore.pending = []
 
+    def _time_loads(self) -> None:
+        """Observe `load_seconds` of the batches that landed, oldest first: a CPU cache's
+        at once (its copy is done when `scatter` returns); a GPU copy runs on a side
+        stream and is seen landed at a later poll (the figure is then an upper bound,
+        within a step), never at the launch, which takes microseconds. A broken copy
+        gives no figure (`_finish_loads` fails its requests)."""
+        while self._timing:
+            landing, started = self._timing[0]
+            try:
+                if not landing.done():
+                    return
+                self._observe("load_seconds", "cpu", started)
+            except Exception:
+                pass  # logged where its requests fail
+            self._timing.pop(0)
+
     def _finish_loads(self) -> None:
         """Report the requests whose every entry is written and landed (a GPU copy runs
         on a side stream: vLLM schedules the request only once it is reported, so its
         forward never reads a block still being written), failed ones once what they
         queued has landed. A copy that cannot say it landed (a device error) fails its
         requests at once: they must not wait forever, and it writes nothing any more."""
+        self._time_loads()
         done, broken = [], []
         for restore in self._restores:
             if restore.pending:
@@ -679,6 +698,7 @@ class WorkerSide:
                 name: s.dropped_puts + s.rejected_puts + s.write_errors for name, s in tiers.items()
             },
             "damaged_entries": {name: s.corrupt for name, s in tiers.items()},
+            "errors": {"none": self.stats.hook_errors},
         }
         counters["evictions"]["cpu"] += self.stats.cpu_evictions
         gauges = {
