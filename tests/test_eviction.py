@@ -421,3 +421,47 @@ def test_budget_pins_and_whole_boundaries_hold_under_any_sequence(ops, capacity,
         ghosts = len(index.policy.ghosts)
         assert ghosts <= max(GHOSTS_MIN, GHOSTS_PER_ENTRY * len(index.ledger.sizes))
     index.take_orders()
+
+
+SAME_TRACE = """
+import hashlib
+from hybridkv.core.index import StoreIndex
+from hybridkv.core.keys import group_key
+docs, room = 9000, 7000  # boundaries of one chunk and one state; room for `room`
+index = StoreIndex(room * 2 * 100, recurrent=True)
+digest = hashlib.sha256()
+def key(d, g):
+    return group_key(hashlib.blake2b(str(d).encode(), digest_size=16).digest(), g)
+for _ in range(4):
+    for d in range(docs):
+        chunk, state = key(d, 0), key(d, 1)
+        if index.boundary_id(state) and index.in_cpu(chunk):
+            index.touch([chunk, state])
+            continue
+        if not index.in_cpu(chunk):
+            index.admit(chunk, 100)
+        index.admit_boundary([(state, 100)], [chunk], 256, 200)
+        for e in index.take_orders().evict:
+            digest.update(e)
+print(digest.hexdigest(), index.policy.ghosts._mask)
+"""
+
+
+def test_evictions_do_not_depend_on_the_hash_seed():
+    """Above SAMPLED_FROM remembered evictions the ghost list keeps a sample of keys:
+    chosen by the keys' own bits, the same trace evicts the same entries in processes
+    with other hash seeds (Python's `hash` of bytes differs with each; replays and
+    benchmarks could not be repeated)."""
+    import os
+    import subprocess
+    import sys
+
+    runs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", SAME_TRACE], env=env, capture_output=True, text=True, check=True
+        )
+        runs.append(out.stdout.split())
+    assert runs[0] == runs[1]
+    assert int(runs[0][1]) > 0  # the list was sampled

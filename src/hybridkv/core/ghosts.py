@@ -5,10 +5,13 @@ The list keeps (key, last use) of the most recent evictions, oldest out first, u
 GHOSTS_PER_ENTRY times the entries in CPU memory. At production sizes that is millions of
 keys, more Python objects than the index itself holds, so above SAMPLED_FROM remembered
 keys the list keeps a spatial sample instead (SHARDS, Waldspurger et al., FAST '15): only
-keys whose hash falls in the sampled fraction, a power of two chosen so that at most
-SAMPLED_FROM are kept. A key is sampled or not the same way when it is evicted and when it
-comes back, so the share of returns and their gaps are measured on the sample without
-bias; only sampled keys are looked up. Below SAMPLED_FROM every key is kept, exactly as an
+keys whose bits fall in the sampled fraction, a power of two chosen so that at most
+SAMPLED_FROM are kept. The bits are the key's own (its first 8 bytes: blake3 output), not
+Python's `hash`, which differs with each process's hash seed: the sample, and with it
+the eviction policy's choices, would differ from one run of the same trace to the next.
+A key is sampled or not the same way when it is evicted and when it comes back, so the
+share of returns and their gaps are measured on the sample without bias; only sampled
+keys are looked up. Below SAMPLED_FROM every key is kept, exactly as an
 unsampled list would.
 """
 
@@ -17,6 +20,10 @@ from __future__ import annotations
 GHOSTS_PER_ENTRY = 4
 GHOSTS_MIN = 1024
 SAMPLED_FROM = 16384
+
+
+def _bits(key: bytes) -> int:
+    return int.from_bytes(key[:8], "little")
 
 
 class Ghosts:
@@ -33,13 +40,13 @@ class Ghosts:
         self._used: dict[int, int] = {}  # place -> the key's last use
         self._head = 0  # no place below it is held
         self._tail = 0  # the next place
-        self._mask = 0  # a key is sampled when hash(key) & mask == 0
+        self._mask = 0  # a key is sampled when _bits(key) & mask == 0
 
     def __len__(self) -> int:
         return len(self._place)
 
     def sampled(self, key: bytes) -> bool:
-        return hash(key) & self._mask == 0
+        return _bits(key) & self._mask == 0
 
     def returned(self, key: bytes) -> int | None:
         """The last use of a remembered key stored again (it is forgotten), else None.
@@ -59,7 +66,7 @@ class Ghosts:
         self._mask = sample - 1
         places, keys, used = self._place, self._key, self._used
         for key, when in last_use.items():
-            if hash(key) & self._mask == 0:
+            if _bits(key) & self._mask == 0:
                 self.returned(key)  # remembered again: it moves to the end
                 places[key] = self._tail
                 keys[self._tail] = key
