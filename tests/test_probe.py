@@ -121,3 +121,51 @@ def test_every_lookup_of_a_step_goes_in_one_round_trip():
     assert calls == [[k for ks in first for k in ks], [k for ks in later for k in ks]]
     assert (probe.round_trips, probe.lookups) == (2, 64)
     probe.close()
+
+
+def _landed(probe: Probe, trips: int) -> None:
+    """Until `trips` round trips are back (the deadline only against a hang)."""
+    deadline = time.monotonic() + 60
+    while probe.round_trips < trips:
+        assert time.monotonic() < deadline, "the round trip never came back"
+        time.sleep(0.005)
+
+
+def test_an_answer_lives_from_the_first_lookup_after_it_came_back(clock):
+    """A step longer than the answers' time to live (a long prefill on a CPU): the
+    answer is read at the next lookup, however late, and lives `ttl_s` from then (it
+    used to lapse unread, and the lookup waited on the probe until overdue)."""
+    probe = Probe("redis", lambda keys: [True] * len(keys), ttl_s=5.0)
+    assert probe.held([b"a"]) == ([], True)
+    probe.send()
+    _landed(probe, 1)
+    clock.now += 6.0  # the step that sent it took longer than ttl_s
+    assert probe.held([b"a"]) == ([b"a"], False)
+    clock.now += 4.9
+    assert probe.held([b"a"]) == ([b"a"], False)
+    clock.now += 0.2
+    assert probe.held([b"a"]) == ([], True)  # lapsed, ttl_s after it was first read
+
+
+def test_a_round_trip_out_across_a_clear_lands_nothing():
+    """A reset while a round trip is out: what it heard was asked before the reset
+    (which deleted this engine's entries there), so it is dropped, and the next lookup
+    asks again."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def contains_many(keys):
+        entered.set()
+        assert gate.wait(60)
+        return [True] * len(keys)
+
+    probe = Probe("redis", contains_many, ttl_s=60)
+    assert probe.held([b"a"]) == ([], True)
+    probe.send()
+    assert entered.wait(60)
+    probe.clear()
+    gate.set()
+    _landed(probe, 1)
+    assert probe.held([b"a"]) == ([], True)
+    assert wait_answered(probe, [b"a"]) == [b"a"]
+    assert probe.round_trips == 2
+    probe.close()

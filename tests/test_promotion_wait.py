@@ -135,3 +135,21 @@ def test_a_hit_in_cpu_memory_after_a_failed_wait_is_counted_as_cpu(waiting):
     assert counters["hit_tokens"] == {"cpu": 2 * BLOCK}
     assert counters["failed_load_tokens"] == {"cpu": 2 * BLOCK}
     assert counters["failed_promotions"] == {"disk": 1}
+
+
+def test_a_failed_disk_read_says_nothing_of_the_shared_tier(waiting):
+    """A promotion from disk that fails (a damaged file) is no answer about the shared
+    tier's copy of the key: the probe still asks about it. One from the shared tier
+    that fails is taken for its absence there a while."""
+    from hybridkv.core.probe import Probe
+
+    side, req, needed = waiting
+    side.probe = Probe("redis", lambda keys: [False] * len(keys), ttl_s=60)
+    assert side.num_new_matched_tokens(req, 0) is None  # promoting from disk
+    epoch = side.index.epoch
+    side.worker_reports({0: WorkerReport(promoted=[(epoch, needed[0], False)])})
+    assert side.probe.held([needed[0]]) == ([], True)
+    assert side.index.promote(needed[1] + b"x", 32, "redis")
+    side.worker_reports({0: WorkerReport(promoted=[(epoch, needed[1] + b"x", False)])})
+    assert side.probe.held([needed[1] + b"x"]) == ([], False)
+    side.probe.close()

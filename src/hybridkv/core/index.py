@@ -446,6 +446,12 @@ class StoreIndex:
         self.orders.promote.append((key, tier))
         return True
 
+    def source(self, epoch: int, key: bytes) -> str | None:
+        """The tier the promotion of `key` under way (in `epoch`) reads from, if any."""
+        if epoch != self.epoch or key not in self.ledger.promoting:
+            return None
+        return self._sources.get(key)
+
     def promoted(self, epoch: int, rank: int, key: bytes, ok: bool) -> None:
         """A rank's report on a promotion. Any rank's failure fails it for all (ranks that
         read it are told to drop it); it is in CPU memory once every rank has it."""

@@ -7,9 +7,13 @@ lookup answers "ask again" until the answer is in. The lookups of a step only no
 keys they need (`held`); the scheduler side then sends them all in one pipelined round
 trip (`send`, once per step): N new prompts wait for one round trip, not N. Keys noted
 while a round trip is out go in the next, right after it. Answers stay fresh for
-`ttl_s`: a lookup polled every step, or the next request of a conversation, does not
-ask again; an entry another replica stores later is found once the answer lapses. A
-tier that is down answers "absent" at once.
+`ttl_s` from the first lookup after they came back (not from their coming back: a step
+longer than `ttl_s`, a long prefill on a CPU, would let every answer lapse before any
+lookup read it, and the lookups would wait on the probe until their wait is overdue): a
+lookup polled every step, or the next request of a conversation, does not ask again; an
+entry another replica stores later is found once the answer lapses. A tier that is down
+answers "absent" at once. A reset (`clear`) discards the answers of a round trip still
+out, which were asked before it.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class Probe:
         # so a round trip never passes over all of them under the lock lookups take.
         self._answers = Lapsing()
         self._wanted: dict[bytes, None] = {}  # keys with no fresh answer, for the next ask
+        self._landed: dict[bytes, bool] = {}  # answers back, no lookup since
+        self._epoch = 0  # advanced by `clear`: a round trip asked before lands nothing
         self._asking: set[bytes] = set()  # keys of the round trip out
         self._waiting = 0  # lookups whose keys are in `_wanted`
         self._sending = False  # a round trip is out (or about to be)
@@ -54,6 +60,11 @@ class Probe:
         `keys` have none: those join the next round trip (`send`)."""
         now = time.monotonic()
         with self._lock:
+            if self._landed:  # their time to live starts now
+                self._answers.drop_lapsed(now)
+                for key, present in self._landed.items():
+                    self._answers.put(key, now + self.ttl_s, present)
+                self._landed = {}
             held, unanswered = self._answers.split(keys, now)
             asking, wanted = self._asking, self._wanted
             new = [key for key in unanswered if key not in asking and key not in wanted]
@@ -84,19 +95,18 @@ class Probe:
                 lookups, self._waiting = self._waiting, 0
                 self._asking = set(keys)
                 self._again = False
+                epoch = self._epoch
             try:
                 found = self._contains_many(keys)
             except Exception:  # a tier must never raise into the engine; count it as absent
                 log.exception("hybridkv: probing the %s tier failed", self.name)
                 self.errors += 1
                 found = [False] * len(keys)
-            until = time.monotonic() + self.ttl_s
             with self._lock:
                 self.round_trips += 1
                 self.lookups += lookups
-                self._answers.drop_lapsed(time.monotonic())
-                for key, present in zip(keys, found, strict=True):
-                    self._answers.put(key, until, present)
+                if epoch == self._epoch:
+                    self._landed.update(zip(keys, found, strict=True))
                 self._asking = set()
                 if not (self._again and self._wanted):
                     self._sending = False
@@ -106,6 +116,7 @@ class Probe:
         """A read of `key` failed (damaged, gone): treat it as absent until the answer
         would have lapsed, rather than have the lookup retry it every step."""
         with self._lock:
+            self._landed.pop(key, None)
             self._answers.put(key, time.monotonic() + self.ttl_s, False)
 
     def clear(self) -> None:
@@ -113,6 +124,8 @@ class Probe:
         and find what the tier holds now, their own engine's stores included."""
         with self._lock:
             self._answers.clear()
+            self._landed = {}
+            self._epoch += 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

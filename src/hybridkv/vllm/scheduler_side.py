@@ -1019,13 +1019,20 @@ class SchedulerSide:
 
     def worker_reports(self, reports: dict[int, WorkerReport]) -> None:
         for rank, report in reports.items():
+            # Failed reads from the probed tier: not asked about again for a while (a
+            # damaged disk entry says nothing of the shared tier's copy).
+            probed = [
+                key
+                for epoch, key, ok in report.promoted
+                if not ok
+                and self.probe is not None
+                and self.index.source(epoch, key) == self.probe.name
+            ]
             self.index.apply(rank, report)
             if report.down is not None:
                 self._tier_health(rank, report.down)
-            if self.probe is not None:
-                for _, key, ok in report.promoted:
-                    if not ok:
-                        self.probe.failed(key)
+            for key in probed:
+                self.probe.failed(key)
 
     def _tier_health(self, rank: int, down: list[str]) -> None:
         """A worker's tiers that are down now. Why: a tier down in a worker answers every
