@@ -389,9 +389,9 @@ COUNTERS = (
 
 
 def start(args: argparse.Namespace, redis_url: str | None) -> serving.Server:
-    from hybridkv.models import default_model_dir, make_model
+    from hybridkv.models import model_for
 
-    model = make_model(args.arch, args.model or default_model_dir(args.arch, args.size), args.size)
+    model = model_for(args.arch, args.size, args.model)
     extra: dict[str, Any] = {"cpu_bytes": args.cpu_bytes}
     if args.disk_path:
         extra.update(disk_path=args.disk_path, disk_bytes=args.disk_bytes)

@@ -96,6 +96,20 @@ def model_config(arch: str, size: str = "tiny") -> dict[str, Any]:
     return cfg
 
 
+MARKER = "hybridkv-model.json"  # what make_model writes last, naming the model it made
+
+
+def model_for(arch: str, size: str, model: str | Path | None) -> Path:
+    """The model a command runs: `model` as it is where it holds a model hybridkv did not
+    make (a user's: files and no marker), else the random-weight model of `arch` and
+    `size`, made if missing, at `model` or under $HYBRIDKV_HOME."""
+    if model is not None:
+        path = Path(model)
+        if path.is_dir() and not (path / MARKER).exists() and any(path.iterdir()):
+            return path
+    return make_model(arch, model or default_model_dir(arch, size), size=size)
+
+
 def default_model_dir(arch: str, size: str) -> Path:
     """Where the demo and benchmarks keep generated models: $HYBRIDKV_HOME/models/."""
     home = Path(os.environ.get("HYBRIDKV_HOME", Path.home() / ".cache" / "hybridkv"))
@@ -196,10 +210,15 @@ def make_model(arch: str, out_dir: str | Path, size: str = "tiny", seed: int = 0
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out_dir)
-    marker = out / "hybridkv-model.json"
+    marker = out / MARKER
     spec = {"arch": arch, "size": size, "seed": seed, "format": _FORMAT}
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out
+    if not marker.exists() and out.is_dir() and any(out.iterdir()):
+        raise FileExistsError(
+            f"{out} holds files hybridkv did not write (no {MARKER}): "
+            "not writing a random-weight model over them"
+        )
     cfg_dict = model_config(arch, size)
     model_type = cfg_dict.pop("model_type")
     cfg = AutoConfig.for_model(model_type, **cfg_dict)

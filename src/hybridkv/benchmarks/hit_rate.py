@@ -495,12 +495,10 @@ class HitRateSettings:
 def run(settings: HitRateSettings) -> list[Path]:
     """Replay every trace; the JSON files written (a PNG beside each, and the groups'
     summary last)."""
-    from hybridkv.models import default_model_dir, make_model, model_config
+    from hybridkv.models import model_config, model_for
 
     args = settings
-    model = str(
-        make_model(args.arch, args.model or default_model_dir(args.arch, args.size), args.size)
-    )
+    model = str(model_for(args.arch, args.size, args.model))
     vocab = model_config(args.arch, args.size)["vocab_size"]
     written, results = [], []
     with tempfile.TemporaryDirectory(prefix="hybridkv-hit-rate-") as tmp:

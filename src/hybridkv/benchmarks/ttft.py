@@ -83,9 +83,9 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 
 def _start_engine(s: TtftSettings):
     from hybridkv.engine import make_llm
-    from hybridkv.models import default_model_dir, make_model
+    from hybridkv.models import model_for
 
-    model = make_model(s.arch, s.model or default_model_dir(s.arch, s.size), s.size)
+    model = model_for(s.arch, s.size, s.model)
     extra: dict[str, Any] = {"cpu_bytes": s.cpu_bytes}
     if s.redis_url is not None:
         # Keys of this run only: a Redis outlives the benchmark, and a later run's cold
