@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import subprocess
@@ -35,6 +36,21 @@ def model_dirs(tmp_path_factory):
 def tokens(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1, 2000) for _ in range(n)]
+
+
+_recomputed = itertools.count()
+
+
+def recomputed(llm, prompt: list[int], max_tokens: int = 8):
+    """The reference for a restore: `prompt` computed from its first token, under a
+    cache salt no other request has (neither vLLM's prefix cache nor hybridkv can serve
+    any of it), so no restored byte takes part. A reference taken after the restore from
+    vLLM's own prefix cache would read the very blocks the restore wrote."""
+    from hybridkv.engine import generate
+
+    ref = generate(llm, [prompt], max_tokens, salt=f"reference-{next(_recomputed)}")[0]
+    assert ref.num_cached_tokens == 0
+    return ref
 
 
 @pytest.fixture
