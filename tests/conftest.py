@@ -15,6 +15,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
+# Settings in the caller's shell (HYBRIDKV_CPU_BYTES, a disk path, ...) would reach every
+# test engine and server, above the tests' own: only the model directory and the seed
+# below are read from there.
+for _name in [k for k in os.environ if k.startswith("HYBRIDKV_")]:
+    if _name not in ("HYBRIDKV_HOME", "HYBRIDKV_TEST_SEED"):
+        del os.environ[_name]
+
 # Inputs a test draws (prompt lengths, workloads) come from generators seeded from this,
 # never from values picked because they pass; every run prints it in its header, and
 # HYBRIDKV_TEST_SEED draws other inputs.
@@ -265,7 +272,8 @@ class EngineProc:
             stdin, stdout = os.fdopen(in_w, "wb"), os.fdopen(out_r, "rb")
         self._out: list[str] = []
         self._reader = threading.Thread(
-            target=lambda: self._out.extend(line.decode(errors="replace") for line in stdout)
+            target=lambda: self._out.extend(line.decode(errors="replace") for line in stdout),
+            daemon=True,  # a hung engine must not hold the test process at exit
         )
         self._reader.start()
         with stdin:
@@ -279,8 +287,13 @@ class EngineProc:
 
     def result(self, timeout: float = 600) -> dict:
         import json
+        import subprocess
 
-        self.proc.wait(timeout)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()  # a hung engine must not run on through the later tests
+            raise
         self._reader.join()
         out = "".join(self._out)
         lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]

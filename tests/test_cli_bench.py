@@ -123,14 +123,19 @@ def test_bench_hit_rate_replays_requests_concurrently(model_dirs, tmp_path):
     assert "none 0 MiB" in summary["groups"]["held-out"]
 
 
-def test_bench_rejects_an_unknown_system(tmp_path):
+@pytest.mark.parametrize(
+    ("option", "value", "named"),
+    [("--system", "lmcache", "--system"), ("--hybridkv-extra", "notjson", "--hybridkv-extra")],
+)
+def test_bench_rejects_a_bad_option_naming_it(tmp_path, option, value, named):
     proc = subprocess.run(
-        [HYBRIDKV, "bench", "hit-rate", "--system", "lmcache", "--out-dir", str(tmp_path)],
+        [HYBRIDKV, "bench", "hit-rate", option, value, "--out-dir", str(tmp_path)],
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 2
-    assert "lmcache" in proc.stderr and "--system" in proc.stderr
+    assert value in proc.stderr and named in proc.stderr
+    assert "Traceback" not in proc.stderr
     assert not list(tmp_path.iterdir())
 
 

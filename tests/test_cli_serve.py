@@ -215,3 +215,19 @@ def test_serve_options_win_and_a_redis_password_stays_off_the_command_line(
     r = runner.invoke(app, ["serve", model, "--redis", "redis://:TOPSECRET@h:notaport/0"])
     assert r.exit_code == 2 and "option --redis" in r.output, r.output
     assert "TOPSECRET" not in r.output
+
+
+@pytest.mark.parametrize(
+    ("tiers", "timeout"),
+    [({}, False), ({"disk_path": "/tmp/kv"}, True), ({"redis_url": "redis://h:6379"}, True)],
+)
+def test_a_tier_with_queued_writes_gets_a_shutdown_timeout(tiers, timeout) -> None:
+    """With a disk or a Redis tier (both write in the background), SIGTERM must wait for
+    the queued writes: the server gets a shutdown timeout, before the user's arguments
+    (theirs wins)."""
+    from hybridkv.cli.serve import server_vllm_args
+    from hybridkv.core.config import HybridKVConfig
+
+    settings = HybridKVConfig.from_dict(tiers, env={})
+    args = server_vllm_args(settings, ["--shutdown-timeout", "5"])
+    assert args == (["--shutdown-timeout", "30"] if timeout else []) + ["--shutdown-timeout", "5"]

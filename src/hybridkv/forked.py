@@ -77,7 +77,11 @@ def fork_child(
                 os.dup2(fd, target)
         for fd in {stdin, stdout, stderr} - {0, 1, 2}:
             os.close(fd)
-        sys.stdin = open(0, closefd=False)  # noqa: SIM115 (no buffer the parent filled)
+        # Streams of the child's own descriptors: the parent's objects may hold buffered
+        # input, or write elsewhere than fd 1 and 2 (a redirect, pytest's capture).
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         if new_session:
             os.setsid()
         code = run_to_exit(entry)
@@ -90,14 +94,20 @@ def fork_child(
 
 
 def _forget_parent_finalizers() -> None:
-    """Drop the finalizers the child inherited, as multiprocessing's own fork children do:
-    they stand for the parent's resources (a `TemporaryDirectory` it still uses is removed
-    by one at exit), not the child's. Those the child makes itself still run."""
+    """Drop the finalizers and child processes the child inherited, as multiprocessing's
+    own fork children do: they stand for the parent's resources (a `TemporaryDirectory`
+    it still uses is removed by one at exit; multiprocessing's exit hook would stop the
+    parent's daemon processes), not the child's. Those the child makes itself still run.
+    Exit hooks stay: modules register theirs as they are imported (logging's flush), and
+    a fresh interpreter importing them would run them too."""
     weakref.finalize._registry.clear()  # type: ignore[attr-defined]
     util = sys.modules.get("multiprocessing.util")
     if util is not None:
         util._finalizer_registry.clear()
         util._run_after_forkers()
+    process = sys.modules.get("multiprocessing.process")
+    if process is not None:
+        process._children = set()  # type: ignore[attr-defined]
 
 
 def run_to_exit(entry: Callable[[], object]) -> int:

@@ -20,7 +20,8 @@ API_SERVER = "vllm.entrypoints.openai.api_server"  # run with `python -m`
 
 def kv_transfer_config(extra_config: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's `--kv-transfer-config` naming hybridkv. A load that fails after a hit was
-    reported is recomputed rather than failing the request (vLLM's default)."""
+    reported is recomputed rather than failing the request (vLLM's default, "fail", would
+    fail it)."""
     return dict(
         CONNECTOR,
         kv_load_failure_policy="recompute",

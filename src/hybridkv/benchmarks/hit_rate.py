@@ -481,6 +481,14 @@ class HitRateSettings:
         for name in self.systems:
             if not (name in SYSTEMS or (name.startswith("hybridkv@") and len(name) > 9)):
                 raise ValueError(f"systems: expected {SYSTEMS} or hybridkv@REV, got {name!r}")
+        for key in ("hybridkv_extra", "offload_extra"):
+            raw = getattr(self, key)
+            try:
+                value = json.loads(raw)
+            except ValueError as e:
+                raise ValueError(f"{key}: {raw!r} is not JSON ({e})") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"{key}: expected a JSON object, got {value!r}")
 
     @classmethod
     def make(cls, quick: bool = False, **given: Any) -> HitRateSettings:

@@ -175,6 +175,8 @@ def hit_rate(
             out_dir=out_dir,
             log=log,
         )
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--system") from None
+    except ValueError as e:  # "<setting>: what is wrong"
+        key = str(e).partition(":")[0]
+        option = {"systems": "--system"}.get(key, "--" + key.replace("_", "-"))
+        raise typer.BadParameter(str(e), param_hint=option) from None
     run(settings)

@@ -60,6 +60,9 @@ def demo(
 
     kv_bytes = size_option(kv_cache_bytes, "--kv-cache-bytes")
     size_option(cpu_bytes, "--cpu-bytes")
+    # The option wins over the caller's HYBRIDKV_CPU_BYTES (other settings come from the
+    # HYBRIDKV_* variables and the config file, as for `hybridkv serve`).
+    os.environ["HYBRIDKV_CPU_BYTES"] = cpu_bytes
     model_dir = str(model_for(arch.value, size.value, model))
     console = Console()
     console.print(f"model: {model_dir}")

@@ -10,14 +10,18 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from hybridkv.cli.app import app, size_option
 from hybridkv.models import ARCHS, SIZES, default_model_dir, make_model
 from hybridkv.server import server_args
+
+if TYPE_CHECKING:
+    from hybridkv.core.config import HybridKVConfig
 
 
 def generated_model(model: str) -> tuple[str, str] | None:
@@ -29,6 +33,16 @@ def generated_model(model: str) -> tuple[str, str] | None:
     if size and size not in SIZES:
         raise typer.BadParameter(f"size {size!r}: expected one of {SIZES}", param_hint="MODEL")
     return arch, size or "tiny"
+
+
+def server_vllm_args(settings: HybridKVConfig, vllm_args: Sequence[str]) -> list[str]:
+    """vLLM's arguments: with a disk or Redis tier, a shutdown timeout first (vLLM's
+    default, 0, kills the engine at SIGTERM, losing the writes still queued); the user's
+    arguments after it, so a value of theirs wins."""
+    args = list(vllm_args)
+    if settings.disk is not None or settings.redis is not None:
+        args = ["--shutdown-timeout", "30", *args]
+    return args
 
 
 @app.command(epilog="Example: hybridkv serve qwen3-next --cpu 8GiB -- --max-model-len 4096")
@@ -98,11 +112,7 @@ def serve(
         typer.echo(f"hybridkv serve: {message}", err=True)
         raise typer.Exit(2) from None
 
-    args = list(vllm_args or ())
-    if settings.disk is not None:
-        # vLLM's default (0) kills the engine at SIGTERM, losing the disk writes still
-        # queued; given after `--`, the user's value wins.
-        args = ["--shutdown-timeout", "30", *args]
+    args = server_vllm_args(settings, vllm_args or ())
     generated = generated_model(model)
     if generated is not None:
         arch, size = generated
