@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -325,6 +326,16 @@ def test_a_loop_longer_than_memory_keeps_a_fixed_set_and_lets_it_go_after():
     assert not any(held(index, c) for c in range(7))
 
 
+def test_a_loop_of_boundaries_with_as_many_states_as_chunks_is_detected():
+    """The share of returns is over the chunks stored: a boundary's states are never
+    remembered as evicted, and counted as admissions they held the share of a perfect
+    loop of two-chunk, two-state chains under LOOPING_SHARE, so it never settled."""
+    index = StoreIndex(cpu_capacity=(200 + 50 * 2) * 5, recurrent=True)  # five chains
+    hits = [sum(visit(index, c, 2) for c in range(7)) for _ in range(10)]
+    assert index.policy.looping, index.policy.return_share
+    assert min(hits[-3:]) >= 3, hits
+
+
 def test_lost_state_drops_its_boundary_and_its_sibling_becomes_an_orphan():
     index = StoreIndex(cpu_capacity=10_000, recurrent=True)
     add_chain(index, 1, 2)
@@ -465,3 +476,15 @@ def test_evictions_do_not_depend_on_the_hash_seed():
         runs.append(out.stdout.split())
     assert runs[0] == runs[1]
     assert int(runs[0][1]) > 0  # the list was sampled
+
+
+def test_a_boundary_with_malformed_keys_changes_nothing():
+    """State keys of two lengths (a caller's error): refused before anything is counted,
+    so no state is left in the ledger outside every order, where nothing could evict it."""
+    index = StoreIndex(cpu_capacity=1000, recurrent=True)
+    a = chunk(1, 0)
+    assert index.admit(a, 50)
+    with pytest.raises(ValueError, match="one length"):
+        index.admit_boundary([(chunk(2, 0, STATE), 100), (b"short-state", 100)], [a], 10, 250)
+    assert (index.ledger.used, index.graph.count) == (50, 0)
+    assert index.make_room(1000)  # everything there can go

@@ -44,6 +44,18 @@ from hybridkv.core.ledger import Ledger
 from hybridkv.core.rows import Rows
 
 KEY_WIDTH = KEY_BYTES + 2  # a group key (core/keys.py)
+
+
+def check_keys(states: Sequence[bytes], needs: Sequence[bytes]) -> None:
+    """What a boundary's keys must be, checked before anything is changed for it (an
+    error half way would leave states counted in the ledger and in no order): its state
+    keys of one length, its needs group keys."""
+    if not states or any(len(key) != len(states[0]) for key in states):
+        raise ValueError("a boundary has state keys, of one length")
+    if any(len(key) != KEY_WIDTH for key in needs):
+        raise ValueError(f"needs are group keys of {KEY_WIDTH} bytes")
+
+
 NONE = -1  # no row
 NO_NEEDS = 0  # the segment of a boundary that needs nothing
 
@@ -159,8 +171,6 @@ class Boundaries(Rows):
         self, states: Sequence[bytes], needs: int, tokens: int, own_bytes: int, used: int, seq: int
     ) -> int:
         width = len(states[0])
-        if any(len(key) != width for key in states):
-            raise ValueError("a boundary's state keys have one length")
         row = self.add_row(tokens, needs, own_bytes, used, seq, *(NONE,) * 4, *(0,) * 8)
         self.states[row] = b"".join(states)
         if width != KEY_WIDTH:
@@ -373,8 +383,6 @@ class BoundaryGraph:
     def _segment(self, needs: Sequence[bytes], parent: int | None) -> int:
         if not needs:
             return NO_NEEDS
-        if any(len(key) != KEY_WIDTH for key in needs):
-            raise ValueError(f"needs are group keys of {KEY_WIDTH} bytes")
         blob = b"".join(needs)
         segs = self.segments
         if parent is not None and self.rows.needs[parent] != NO_NEEDS:

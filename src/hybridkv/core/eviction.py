@@ -237,15 +237,16 @@ class BoundaryPolicy:
     def add_boundary(
         self,
         states: Sequence[bytes],
-        new: Sequence[bytes],
         needs: Sequence[bytes],
         tokens: int,
         own_bytes: int,
         parent: bytes | None,
     ) -> None:
-        """A boundary whose states are in the ledger now (`new`: admitted for it)."""
-        for key in new:
-            self._count_return(key)
+        """A boundary whose states are in the ledger now. Its states are no admissions
+        the share of returns counts: they are never remembered as evicted (only chunks
+        are), so each would count as a non-return, and a loop of boundaries with as many
+        states as chunks never passed LOOPING_SHARE."""
+        self._version += 1
         self.graph.add(states, needs, tokens, own_bytes, parent)
 
     def used(self, key: bytes) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from hybridkv.core.boundary_graph import BoundaryGraph
+from hybridkv.core.boundary_graph import BoundaryGraph, check_keys
 from hybridkv.core.eviction import BoundaryPolicy, EvictionPolicy, LruPolicy
 from hybridkv.core.keytable import first_found
 from hybridkv.core.ledger import Ledger
@@ -291,6 +291,8 @@ class StoreIndex:
         cost (its states and the chunks after the previous boundary); `parent`: that
         previous boundary's id (`boundary_id`), if any. Without recurrent groups the
         states are entries like any other."""
+        if self._boundaries is not None:
+            check_keys([key for key, _ in states], needs)
         new = [(key, n * self.ranks) for key, n in states if key not in self.ledger.sizes]
         if not new:
             self.touch(key for key, _ in states)
@@ -314,7 +316,6 @@ class StoreIndex:
         if self._boundaries is not None:
             self._boundaries.add_boundary(
                 [key for key, _ in states],
-                [key for key, _ in new],
                 needs,
                 tokens,
                 own_bytes * self.ranks,
