@@ -176,7 +176,7 @@ class StoreIndex:
         cost (its states and the chunks after the previous boundary); `parent`: that
         previous boundary's id (`boundary_id`), if any."""
         new = [(key, n * self.ranks) for key, n in states if key not in self._cpu]
-        if not new:
+        if not new and (not self.recurrent or states[0][0] in self._boundary_of):
             self.touch(key for key, _ in states)
             return True
         if not all(self.known(key) for key in needs):

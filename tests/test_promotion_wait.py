@@ -153,3 +153,25 @@ def test_a_failed_disk_read_says_nothing_of_the_shared_tier(waiting):
     side.worker_reports({0: WorkerReport(promoted=[(epoch, needed[1] + b"x", False)])})
     assert side.probe.held([needed[1] + b"x"]) == ([], False)
     side.probe.close()
+
+
+def test_a_boundary_restored_from_disk_is_counted_in_as_a_boundary(waiting):
+    """The states of a hit from disk come into CPU memory as promotions, one plain entry
+    each: once the hit's load is planned they are counted in as the boundary they are
+    (the eviction policy keeps a boundary as one; plain entries no boundary needs are
+    evicted first, and a document restored from disk would not stay the branch point
+    of the questions after it)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    side, req, needed = waiting
+    assert side.num_new_matched_tokens(req, 0) is None
+    promoted(side, needed)
+    assert side.num_new_matched_tokens(req, 0) == CHUNKS * BLOCK
+    state = needed[-1]
+    assert side.index.boundary_id(state) is None  # a plain entry so far
+    groups = len(side.layout.groups)
+    blocks = KVCacheBlocks(tuple([KVCacheBlock(i) for i in range(CHUNKS)] for _ in range(groups)))
+    side.after_alloc(req, blocks, CHUNKS * BLOCK)
+    assert side.index.boundary_id(state) is not None
+    assert side.index.graph.count == 1

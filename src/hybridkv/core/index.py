@@ -290,11 +290,14 @@ class StoreIndex:
         keeping the boundary costs beyond what shorter boundaries of its chain already
         cost (its states and the chunks after the previous boundary); `parent`: that
         previous boundary's id (`boundary_id`), if any. Without recurrent groups the
-        states are entries like any other."""
+        states are entries like any other. States all in CPU memory already but not as
+        a boundary (promoted) become one."""
         if self._boundaries is not None:
             check_keys([key for key, _ in states], needs)
         new = [(key, n * self.ranks) for key, n in states if key not in self.ledger.sizes]
-        if not new:
+        # States in CPU memory as plain entries (promoted one by one for a hit from a
+        # lower tier) are counted in as the boundary they are.
+        if not new and (self.graph is None or self.graph.state_of.get(states[0][0]) is not None):
             self.touch(key for key, _ in states)
             return True
         missing = self.ledger.sizes.missing(needs)

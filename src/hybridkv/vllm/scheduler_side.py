@@ -539,6 +539,8 @@ class SchedulerSide:
         self.stats.hit_tokens += num_external
         _add(self.stats.hit_tokens_by_tier, st.hit_source, num_external)
         st.loading = num_external
+        if st.hit_source != "cpu" and self._state_groups:
+            self._restored_boundary(st.keys, boundary)
         # What was loaded is stored already (unless the load fails: `loads_failed`).
         st.before_load = st.stored_chunks
         st.stored_chunks = max(st.stored_chunks, boundary // self.planner.chunk_tokens)
@@ -887,7 +889,8 @@ class SchedulerSide:
                     out.append(KeyedCopy(kc.key, kc.copy, cpu=False))
             self._own(st, owned)
             for chunk, states in boundaries.items():
-                if self._admit_boundary(keys, (chunk + 1) * C, states, needs[chunk]):
+                pairs = [(kc.key, kc.copy.group) for kc in states]
+                if self._admit_boundary(keys, (chunk + 1) * C, pairs, needs[chunk]):
                     admitted = [kc for kc in states if kc.key not in in_cpu]
                     out += admitted
                     self._admitted += [kc.key for kc in admitted]
@@ -915,11 +918,15 @@ class SchedulerSide:
         return needs
 
     def _admit_boundary(
-        self, keys: list[bytes], boundary: int, states: list[KeyedCopy], needs: list[bytes]
+        self,
+        keys: list[bytes],
+        boundary: int,
+        states: list[tuple[bytes, int]],
+        needs: list[bytes],
     ) -> bool:
-        """Count a boundary's states into CPU memory, with what a hit there also reads
-        (`needs`), what keeping it costs beyond the chain's previous boundary in CPU
-        memory, and that boundary (its parent)."""
+        """Count a boundary's states (key, group) into CPU memory, with what a hit there
+        also reads (`needs`), what keeping it costs beyond the chain's previous boundary
+        in CPU memory, and that boundary (its parent)."""
         C = self.planner.chunk_tokens
         attention = self._attention_groups
         # The chain's previous boundary: the nearest chunk before this one whose state
@@ -927,10 +934,19 @@ class SchedulerSide:
         suffix, last = group_key(b"", self._state_groups[0]), boundary // C - 2
         found = self.index.nearest_boundary([keys[c] + suffix for c in range(last, -1, -1)])
         previous, parent = (last - found[0] + 1, found[1]) if found else (0, None)
-        own = sum(self.planner.entry_bytes(kc.copy.group) for kc in states)
+        sizes = [(key, self.planner.entry_bytes(g)) for key, g in states]
+        own = sum(n for _, n in sizes)
         own += (boundary // C - previous) * sum(self.planner.entry_bytes(g) for g in attention)
-        sizes = [(kc.key, self.planner.entry_bytes(kc.copy.group)) for kc in states]
         return self.index.admit_boundary(sizes, needs, boundary, own, parent)
+
+    def _restored_boundary(self, keys: list[bytes], boundary: int) -> None:
+        """The boundary a hit from a lower tier restores: its states were promoted into
+        CPU memory one entry at a time, plain entries the eviction policy takes for
+        orphans (evicted first). Counted in as the boundary they are, a document
+        restored from disk is kept as one (the branch point of the questions after it)."""
+        c = boundary // self.planner.chunk_tokens - 1
+        states = [(group_key(keys[c], g), g) for g in self._state_groups]
+        self._admit_boundary(keys, boundary, states, self._needs(keys, boundary))
 
     def _decode_boundary(self, req: Request, start: int, end: int) -> bool:
         """Whether this step ends decoding on a chunk boundary past the prompt's
