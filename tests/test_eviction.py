@@ -488,3 +488,42 @@ def test_a_boundary_with_malformed_keys_changes_nothing():
         index.admit_boundary([(chunk(2, 0, STATE), 100), (b"short-state", 100)], [a], 10, 250)
     assert (index.ledger.used, index.graph.count) == (50, 0)
     assert index.make_room(1000)  # everything there can go
+
+
+def _conversation(i: int, n: int) -> list[bytes]:
+    """The chunks of conversation `i` up to chunk n: a 4-chunk system prompt all share
+    (chain 0), then its own."""
+    return [chunk(0, c) for c in range(min(n, 4))] + [chunk(i, c) for c in range(4, n)]
+
+
+def _boundary(index: StoreIndex, i: int, n: int, parent: bytes | None) -> bytes:
+    needs = _conversation(i, n)
+    for key in needs:
+        assert index.admit(key, 50)
+    chain = 0 if n <= 4 else i
+    assert index.admit_boundary(states(chain, n - 1), needs, n * 10, 200, parent)
+    return states(chain, n - 1)[0][0]
+
+
+def test_a_junction_looks_only_at_the_siblings_that_share_its_branch(monkeypatch):
+    """A junction under a shared system prompt's boundary, below one conversation's
+    boundary: it adopts that one, looking at no other child of the prompt's boundary
+    (thousands in production: it looked at each), also after the conversation's
+    boundary was re-parented to the prompt's (its own parent forgotten)."""
+    index = StoreIndex(cpu_capacity=10**9, recurrent=True)
+    graph = index.graph
+    prompt = _boundary(index, 0, 4, None)
+    for i in range(1, 200):
+        _boundary(index, i, 16, prompt)
+    middle = _boundary(index, 7, 8, prompt)  # conversation 7's earlier turn: a parent
+    last = _boundary(index, 7, 20, middle)
+    index.lost(index.epoch, middle)  # its state lost: `last` now follows the prompt
+    b_last = graph.boundary(last)
+    assert graph.rows.parent[b_last] == graph.boundary(prompt)
+    looked: list[int] = []
+    holds = graph.segments.holds
+    monkeypatch.setattr(graph.segments, "holds", lambda s, k: looked.append(s) or holds(s, k))
+    junction = _boundary(index, 7, 12, prompt)  # a second question, forking at chunk 12
+    assert graph.rows.parent[b_last] == graph.boundary(junction)
+    assert graph.rows.parent[graph.boundary(states(7, 15)[0][0])] == graph.boundary(junction)
+    assert len(looked) <= 3, len(looked)

@@ -148,8 +148,11 @@ class Boundaries(Rows):
         "seq": "q",  # admission order (earlier first among equals)
         "parent": "q",  # the chain's previous boundary in CPU memory
         "kid": "q",  # its first child (the others follow through `next`)
-        "next": "q",  # the next child of its parent, or root of its chain's head
+        "next": "q",  # the next child of its parent
         "prev": "q",
+        # The next (previous) boundary of the same branch key (`BoundaryGraph._branches`)
+        "bnext": "q",
+        "bprev": "q",
         "kids": "q",  # how many children
         "reused": "b",  # used again since its admission (a hit, or vLLM's own)
         "held": "q",  # its states that are pinned or promoting: it cannot go while > 0
@@ -171,7 +174,7 @@ class Boundaries(Rows):
         self, states: Sequence[bytes], needs: int, tokens: int, own_bytes: int, used: int, seq: int
     ) -> int:
         width = len(states[0])
-        row = self.add_row(tokens, needs, own_bytes, used, seq, *(NONE,) * 4, *(0,) * 8)
+        row = self.add_row(tokens, needs, own_bytes, used, seq, *(NONE,) * 6, *(0,) * 8)
         self.states[row] = b"".join(states)
         if width != KEY_WIDTH:
             self._width[row] = width
@@ -271,9 +274,13 @@ class BoundaryGraph:
         # table, whose slot for a key holds both.
         self.table = ledger.table
         self.needers = ledger.table.needers
-        # Boundaries without a parent, linked as siblings, by their chain's first key (a
-        # junction adopts from these; with a parent, from its children).
-        self._roots = KeyTable()  # chain head -> first root
+        # Every boundary by its *branch key*, the first key of its needs past its
+        # parent's (its chain's first without a parent), linked through `bnext`: a
+        # junction adopts only siblings that pass through it, and those share its branch
+        # key, so it looks at those, not at every child of its parent (thousands under
+        # one shared system prompt).
+        self._branches = KeyTable()  # branch key -> first boundary of it
+        self._branch = RowBytes()  # boundary -> its branch key
         # Parents of boundaries an eviction forgot, refiled once at its end (`left`):
         # a chain's turns evicted together would each refile their shared parent.
         self._unsettled: dict[int, None] = {}
@@ -347,7 +354,7 @@ class BoundaryGraph:
         if parent is not None and rows.bid(parent) != parent_id:
             parent = None
         self._seq += 1
-        seg = self._segment(needs, parent)
+        seg, branch = self._segment(needs, parent)
         b = rows.new(states, seg, tokens, own_bytes, self.tick, self._seq)
         rows.held[b] = sum(1 for key in states if self.ledger.held(key))
         self.count += 1
@@ -359,8 +366,8 @@ class BoundaryGraph:
             self.watcher.unfile(parent)
             rows.add_child(parent, b)
             changed.append(parent)
-        else:
-            self._root(b, True)
+        if branch is not None:
+            self._link_branch(b, branch)
         adopted = self._adopt(b, needs[-1]) if needs else []
         self._refer(seg)
         self._refile(changed + adopted, [b, *adopted])
@@ -380,9 +387,11 @@ class BoundaryGraph:
             seg = up[seg]
         self.watcher.orphaned(needed, False)
 
-    def _segment(self, needs: Sequence[bytes], parent: int | None) -> int:
+    def _segment(self, needs: Sequence[bytes], parent: int | None) -> tuple[int, bytes | None]:
+        """The segment of a boundary needing `needs` under `parent`, and its branch key
+        (None where it needs nothing past its parent)."""
         if not needs:
-            return NO_NEEDS
+            return NO_NEEDS, None
         blob = b"".join(needs)
         segs = self.segments
         if parent is not None and self.rows.needs[parent] != NO_NEEDS:
@@ -390,43 +399,99 @@ class BoundaryGraph:
             above = segs.blob(up)
             if blob.startswith(above):
                 own = blob[len(above) :]
-                return segs.new(own, up) if own else up
-        return segs.new(blob, NONE)
+                return (segs.new(own, up), own[:KEY_WIDTH]) if own else (up, None)
+        seg = segs.new(blob, NONE)
+        return seg, self._key_after(seg, self._skip(parent if parent is not None else NONE))
+
+    def _skip(self, parent: int) -> int:
+        """How many bytes of keys `parent` needs (0 for none)."""
+        if parent == NONE:
+            return 0
+        segs = self.segments
+        return sum(len(segs.keys[s]) for s in segs.path(self.rows.needs[parent]))
+
+    def _key_after(self, seg: int, skip: int) -> bytes | None:
+        """The key of the needs `seg` ends after their first `skip` bytes (a parent's
+        needs: `_skip`); None if there is none."""
+        segs = self.segments
+        if not skip:
+            return segs.head(seg) or None
+        for s in segs.path(seg):
+            keys = segs.keys[s]
+            if skip < len(keys):
+                return keys[skip : skip + KEY_WIDTH]
+            skip -= len(keys)
+        return None
+
+    def _link_branch(self, b: int, key: bytes) -> None:
+        rows = self.rows
+        first = self._branches.get(key, NONE)
+        rows.bnext[b], rows.bprev[b] = first, NONE
+        if first != NONE:
+            rows.bprev[first] = b
+        self._branches[key] = b
+        self._branch[b] = key
+
+    def _unlink_branch(self, b: int) -> None:
+        key = self._branch.pop(b)
+        if key is None:
+            return
+        rows = self.rows
+        nxt, prv = rows.bnext[b], rows.bprev[b]
+        if prv != NONE:
+            rows.bnext[prv] = nxt
+        elif nxt != NONE:
+            self._branches[key] = nxt
+        else:
+            del self._branches[key]
+        if nxt != NONE:
+            rows.bprev[nxt] = prv
+        rows.bnext[b] = rows.bprev[b] = NONE
+
+    def _rebranch(self, b: int, skip: int) -> None:
+        """File `b` under the branch key its parent, needing `skip` bytes of keys, gives
+        it now."""
+        self._unlink_branch(b)
+        key = self._key_after(self.rows.needs[b], skip)
+        if key is not None:
+            self._link_branch(b, key)
 
     def _adopt(self, b: int, last: bytes) -> list[int]:
         """The boundaries `b` adopts (see `add`); each one's cost is what it keeps beyond
         `b` now. Only a boundary that needs `b`'s last chunk passes through `b`, so when
         none does (`b` is not admitted below a longer one: nearly always) the siblings,
         thousands under one shared system prompt, are not looked at."""
-        if not self.needers.get(last):
+        branch = self._branch.get(b)
+        if branch is None or not self.needers.get(last):
             return []
         rows, segs = self.rows, self.segments
         parent = rows.parent[b]
-        siblings = (
-            rows.children(parent)
-            if parent != NONE
-            else rows.siblings(self._roots.get(self._head(b), NONE))
-        )
         tokens = rows.tokens[b]
-        adopted = [
-            o
-            for o in siblings
-            if o != b and rows.tokens[o] > tokens and segs.holds(rows.needs[o], last)
-        ]
+        adopted = []
+        o = self._branches.get(branch, NONE)
+        while o != NONE:
+            if (
+                o != b
+                and rows.parent[o] == parent
+                and rows.tokens[o] > tokens
+                and segs.holds(rows.needs[o], last)
+            ):
+                adopted.append(o)
+            o = rows.bnext[o]
         if not adopted:
             return []
         shared = set(segs.all_keys(rows.needs[b]))
+        skip = self._skip(b)
         sizes = self.ledger.sizes
         for o in adopted:
             self.watcher.unfile(o)
             if rows.parent[o] != NONE:
                 rows.drop_child(rows.parent[o], o)  # b's parent, unfiled already
-            else:
-                self._root(o, False)
             rows.own_bytes[o] = sum(sizes[k] for k in rows.state_keys(o)) + sum(
                 sizes.get(k, 0) for k in segs.all_keys(rows.needs[o]) if k not in shared
             )
             rows.add_child(b, o)  # b is new: it had none
+            self._rebranch(o, skip)
         return adopted
 
     def forget(self, b: int, leaving: Collection[bytes] = ()) -> None:
@@ -448,14 +513,22 @@ class BoundaryGraph:
         if parent != NONE:
             self.watcher.unfile(parent)
             rows.drop_child(parent, b)
-        else:
-            self._root(b, False)
+        # A child whose segment extends b's passes through b, so the key after b's
+        # parent in its chain is b's own branch key.
+        inherited, seg_b, up = self._branch.get(b), rows.needs[b], self.segments.up
+        self._unlink_branch(b)
+        skip = -1
         for child in rows.children(b):
             rows.drop_child(b, child)
             if parent != NONE:
                 rows.add_child(parent, child)
-            else:
-                self._root(child, True)
+            if inherited is not None and up[rows.needs[child]] == seg_b:
+                self._unlink_branch(child)
+                self._link_branch(child, inherited)
+                continue
+            if skip < 0:
+                skip = self._skip(parent)
+            self._rebranch(child, skip)
         if parent != NONE:
             if leaving:
                 self._unsettled[parent] = None
@@ -480,28 +553,11 @@ class BoundaryGraph:
         for b in changed:
             self.watcher.file(b)
 
-    def _head(self, b: int) -> bytes:
-        """The first key of its chain."""
-        return self.segments.head(self.rows.needs[b])
-
-    def _root(self, b: int, present: bool) -> None:
-        if self.rows.needs[b] == NO_NEEDS:
-            return
-        head = self._head(b)
-        roots, rows = self._roots, self.rows
-        if present:
-            roots[head] = rows.link(roots.get(head, NONE), b)
-            return
-        first = rows.unlink(roots[head], b)
-        if first == NONE:
-            del roots[head]
-        else:
-            roots[head] = first
-
     def clear(self) -> None:
         self.state_of.clear()
         self.table.clear_needers()
-        self._roots.clear()
+        self._branches.clear()
+        self._branch.clear()
         self._unsettled.clear()
         self.rows.clear()
         self.segments.clear()
