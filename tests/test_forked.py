@@ -75,11 +75,12 @@ def test_fork_child_gets_its_env_streams_exit_status_and_exit_hooks(tmp_path):
 
 def test_fork_child_writes_to_its_descriptors_and_leaves_the_parents_processes(tmp_path):
     """The parent's `sys.stdout` is not fd 1 (a redirect, a test runner's capture) and it
-    runs a daemon multiprocessing process: the child's prints reach the descriptor it was
-    given, and its exit does not stop the parent's process (multiprocessing's exit hook
-    stops the daemon children it knows of)."""
+    runs a daemon multiprocessing process: the child's prints and log lines (its handler
+    made on that `sys.stdout`) reach the descriptor it was given, and its exit does not
+    stop the parent's process (multiprocessing's exit hook stops the daemon children it
+    knows of)."""
     script = """
-        import contextlib, io, multiprocessing, os, tempfile, time
+        import contextlib, io, logging, multiprocessing, os, sys, tempfile, time
         from hybridkv import forked
 
         daemon = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
@@ -88,8 +89,10 @@ def test_fork_child_writes_to_its_descriptors_and_leaves_the_parents_processes(t
 
         def entry():
             print("RESULT from the child")
+            logging.getLogger("child").warning("LOG from the child")
 
         with tempfile.TemporaryFile("w+") as out, contextlib.redirect_stdout(io.StringIO()):
+            logging.basicConfig(stream=sys.stdout, format="%(message)s")
             pid = forked.fork_child(entry, {}, 0, out.fileno(), out.fileno())
             status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
             out.seek(0)
@@ -98,7 +101,8 @@ def test_fork_child_writes_to_its_descriptors_and_leaves_the_parents_processes(t
         daemon.terminate()
         """
     proc = _run(script, tmp_path)
-    assert "|child: 'RESULT from the child\\n' status 0 daemon alive True" in proc.stdout
+    want = "|child: 'RESULT from the child\\nLOG from the child\\n' status 0 daemon alive True"
+    assert want in proc.stdout, proc.stdout
 
 
 def test_engine_process_forks_where_it_may_and_runs_a_fresh_interpreter_where_not(tmp_path):

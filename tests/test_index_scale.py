@@ -182,9 +182,19 @@ class Serving:
     stores its chunks (pinned while it runs) and the boundary at its end, with a junction
     where it left the chunks stored before; requests finish a few steps later."""
 
-    def __init__(self, index: Any, rng: random.Random, rounds: float = 0.0, loop: int = 0):
+    def __init__(
+        self,
+        index: Any,
+        rng: random.Random,
+        rounds: float = 0.0,
+        loop: int = 0,
+        attention: tuple[int, ...] = (ATTN,),
+    ):
         self.index = index
         self.rng = rng
+        # Attention groups: a boundary needs each one's chunks in turn, as the scheduler
+        # side lists them (with two, a parent's needs are no prefix of its child's).
+        self.attention = attention
         # The share of requests that go round a fixed set of `loop` prompts, in turn.
         self.rounds, self.loop = rounds, loop
         self.round: list[tuple[int, ...]] = []
@@ -229,50 +239,59 @@ class Serving:
     def request(self) -> None:
         ix, rng = self.index, self.rng
         keys = chain_keys(self.prompt())
-        attn = [group_key(k, ATTN) for k in keys]
+        attn = [[group_key(k, g) for g in self.attention] for k in keys]  # per chunk
         states = [[group_key(k, g) for g in STATES] for k in keys]
-        self.keys.update(dict.fromkeys([*attn, *(k for s in states for k in s)]))
+        self.keys.update(
+            dict.fromkeys([*(k for a in attn for k in a), *(k for s in states for k in s)])
+        )
         # The hit: the longest boundary whose chunks are all in CPU memory.
         hit = next(
             (
                 c + 1
                 for c in range(len(keys) - 2, -1, -1)
-                if ix.boundary_id(states[c][0]) and all(ix.in_cpu(k) for k in attn[: c + 1])
+                if ix.boundary_id(states[c][0])
+                and all(ix.in_cpu(k) for a in attn[: c + 1] for k in a)
             ),
             0,
         )
         pins: list[bytes] = []
         if hit:
-            wanted = attn[:hit] + states[hit - 1]
+            wanted = self.needs(attn, hit) + states[hit - 1]
             ix.pin(wanted)
             ix.touch(wanted)
             pins += wanted
         # Stores: its chunks past the hit, a junction where it leaves what is stored, and
         # the boundary at its end.
         reach = hit
-        while reach < len(keys) - 1 and ix.known(attn[reach]):
+        while reach < len(keys) - 1 and all(ix.known(k) for k in attn[reach]):
             reach += 1
         ends = {len(keys)} | ({reach} if hit < reach < len(keys) else set())
         for c in range(hit, len(keys)):
-            if not ix.known(attn[c]) and self.admit(attn[c], ATTN_BYTES):
-                ix.pin([attn[c]])
-                pins.append(attn[c])
+            for key in attn[c]:
+                if not ix.known(key) and self.admit(key, ATTN_BYTES):
+                    ix.pin([key])
+                    pins.append(key)
         for end in sorted(ends):
             self.boundary(keys, attn, states, end)
         self.running.append((self.step + rng.randrange(1, 4), pins))
 
+    def needs(self, attn: list[list[bytes]], end: int) -> list[bytes]:
+        """What a hit after chunk `end` reads besides its states: each attention group's
+        chunks in turn."""
+        return [chunk[i] for i in range(len(self.attention)) for chunk in attn[:end]]
+
     def boundary(
-        self, keys: list[bytes], attn: list[bytes], states: list[list[bytes]], end: int
+        self, keys: list[bytes], attn: list[list[bytes]], states: list[list[bytes]], end: int
     ) -> None:
         ix = self.index
         previous, parent = next(
             ((c + 1, bid) for c in range(end - 2, -1, -1) if (bid := ix.boundary_id(states[c][0]))),
             (0, None),
         )
-        own = len(STATES) * STATE_BYTES + (end - previous) * ATTN_BYTES
+        own = len(STATES) * STATE_BYTES + (end - previous) * ATTN_BYTES * len(self.attention)
         new = {k for k in states[end - 1] if k not in ix.ledger.sizes}
         sizes = [(k, STATE_BYTES) for k in states[end - 1]]
-        if ix.admit_boundary(sizes, attn[:end], end * 256, own, parent):
+        if ix.admit_boundary(sizes, self.needs(attn, end), end * 256, own, parent):
             self.stored |= new
 
     def other(self) -> None:
@@ -353,13 +372,16 @@ def run(
     ranks=st.sampled_from([1, 2]),
     alpha=st.sampled_from([0.0, 0.25, 1.0, 4.0]),
     rounds=st.sampled_from([0.0, 0.5, 0.9]),
+    attention=st.sampled_from([(ATTN,), (ATTN, 4)]),
 )
 def test_choices_orders_and_notifications_equal_the_reference(
-    seed, boundaries, ranks, alpha, rounds
+    seed, boundaries, ranks, alpha, rounds, attention
 ):
-    per = ranks * (len(STATES) * STATE_BYTES + 3 * ATTN_BYTES)
+    """Two attention groups too: a boundary's needs then list one group's chunks, then
+    the other's, so a parent's are no prefix of its child's."""
+    per = ranks * (len(STATES) * STATE_BYTES + 3 * ATTN_BYTES * len(attention))
     pair = Pair(boundaries * per, ranks, alpha)
-    serving = Serving(pair, random.Random(seed), rounds, 2 * boundaries)
+    serving = Serving(pair, random.Random(seed), rounds, 2 * boundaries, attention)
     patches = ranked_reference()
     with patches[0], patches[1]:
         run(serving, 120, lambda stored: pair.check(serving.keys), clear_every=97)

@@ -169,3 +169,14 @@ def test_a_round_trip_out_across_a_clear_lands_nothing():
     assert wait_answered(probe, [b"a"]) == [b"a"]
     assert probe.round_trips == 2
     probe.close()
+
+
+def test_answers_no_lookup_read_for_long_are_dropped_unread(clock):
+    """Every lookup that asked was aborted, and the next comes an hour later: the
+    hour-old answers are not taken as fresh; the lookup asks again."""
+    probe = Probe("redis", lambda keys: [False] * len(keys), ttl_s=5.0)
+    assert probe.held([b"a"]) == ([], True)
+    probe.send()
+    _landed(probe, 1)
+    clock.now += probe_module.LANDED_MAX_AGE + 1
+    assert probe.held([b"a"]) == ([], True)

@@ -175,3 +175,45 @@ def test_a_boundary_restored_from_disk_is_counted_in_as_a_boundary(waiting):
     side.after_alloc(req, blocks, CHUNKS * BLOCK)
     assert side.index.boundary_id(state) is not None
     assert side.index.graph.count == 1
+
+
+def _blocks(side: SchedulerSide):
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    groups = len(side.layout.groups)
+    return KVCacheBlocks(tuple([KVCacheBlock(i) for i in range(CHUNKS)] for _ in range(groups)))
+
+
+def test_promoted_states_another_request_hits_in_cpu_memory_become_a_boundary(waiting):
+    """The request that waited for the promotions is aborted before they land; another
+    with the same prompt then hits them in CPU memory (a CPU hit): they are counted in as
+    the boundary they are all the same."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    side, req, needed = waiting
+    assert side.num_new_matched_tokens(req, 0) is None
+    side.request_finished(req)  # aborted while waiting
+    promoted(side, needed)  # the reads land anyway
+    params = SamplingParams(max_tokens=1)
+    again = Request("r2", list(req.prompt_token_ids), sampling_params=params, pooling_params=None)
+    assert side.num_new_matched_tokens(again, 0) == CHUNKS * BLOCK
+    assert side.hit_source(again) == "cpu"
+    side.after_alloc(again, _blocks(side), CHUNKS * BLOCK)
+    assert side.index.boundary_id(needed[-1]) is not None
+
+
+def test_a_load_reported_failed_later_counts_only_a_load_still_out(waiting):
+    """A request's load succeeded; a failure reported for it later (MultiConnector hands
+    each connector the other's failed loads) counts no failed tokens of hybridkv's."""
+    side, req, needed = waiting
+    assert side.num_new_matched_tokens(req, 0) is None
+    promoted(side, needed)
+    assert side.num_new_matched_tokens(req, 0) == CHUNKS * BLOCK
+    side.after_alloc(req, _blocks(side), CHUNKS * BLOCK)  # planned; it succeeds
+    side.after_alloc(req, _blocks(side), 0)  # vLLM's second call, once loaded
+    side.loads_failed([req.request_id])
+    counters, _ = side.metrics()
+    assert counters["hit_tokens"] == {"disk": CHUNKS * BLOCK}
+    assert sum(counters["failed_load_tokens"].values()) == 0

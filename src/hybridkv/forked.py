@@ -77,11 +77,7 @@ def fork_child(
                 os.dup2(fd, target)
         for fd in {stdin, stdout, stderr} - {0, 1, 2}:
             os.close(fd)
-        # Streams of the child's own descriptors: the parent's objects may hold buffered
-        # input, or write elsewhere than fd 1 and 2 (a redirect, pytest's capture).
-        sys.stdin = open(0, closefd=False)  # noqa: SIM115
-        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        _own_streams()
         if new_session:
             os.setsid()
         code = run_to_exit(entry)
@@ -91,6 +87,26 @@ def fork_child(
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def _own_streams() -> None:
+    """Streams of the child's own descriptors, for `sys` and for the log handlers that
+    wrote to the old ones (vLLM's writes to the `sys.stdout` of when it was configured):
+    the parent's objects may hold buffered input, or write elsewhere than fd 1 and 2 (a
+    redirect, pytest's capture)."""
+    old = {id(sys.stdout): 1, id(sys.stderr): 2}
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    logging = sys.modules.get("logging")
+    if logging is None:
+        return
+    loggers = [logging.root, *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", ()):
+            fd = old.get(id(getattr(handler, "stream", None)))
+            if isinstance(handler, logging.StreamHandler) and fd is not None:
+                handler.stream = sys.stdout if fd == 1 else sys.stderr
 
 
 def _forget_parent_finalizers() -> None:

@@ -467,17 +467,24 @@ class BoundaryGraph:
         rows, segs = self.rows, self.segments
         parent = rows.parent[b]
         tokens = rows.tokens[b]
-        adopted = []
-        o = self._branches.get(branch, NONE)
-        while o != NONE:
-            if (
-                o != b
-                and rows.parent[o] == parent
-                and rows.tokens[o] > tokens
-                and segs.holds(rows.needs[o], last)
-            ):
-                adopted.append(o)
-            o = rows.bnext[o]
+        if parent == NONE or segs.up[rows.needs[b]] == rows.needs[parent]:
+            candidates = []
+            o = self._branches.get(branch, NONE)
+            while o != NONE:
+                candidates.append(o)
+                o = rows.bnext[o]
+        else:
+            # Its needs do not extend its parent's (several attention groups: each group's
+            # keys in turn), so a key's place says nothing of the chunk: every sibling.
+            candidates = rows.children(parent)
+        adopted = [
+            o
+            for o in candidates
+            if o != b
+            and rows.parent[o] == parent
+            and rows.tokens[o] > tokens
+            and segs.holds(rows.needs[o], last)
+        ]
         if not adopted:
             return []
         shared = set(segs.all_keys(rows.needs[b]))

@@ -13,7 +13,8 @@ lookup read it, and the lookups would wait on the probe until their wait is over
 lookup polled every step, or the next request of a conversation, does not ask again; an
 entry another replica stores later is found once the answer lapses. A tier that is down
 answers "absent" at once. A reset (`clear`) discards the answers of a round trip still
-out, which were asked before it.
+out, which were asked before it, and answers no lookup read within LANDED_MAX_AGE of
+their coming back (every lookup that asked was aborted) are dropped unread.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from hybridkv.core.lapsing import Lapsing
 
 log = logging.getLogger(__name__)
+
+# The oldest a round trip's answers may be when a lookup first reads them: a step as
+# long as this is far beyond a long prefill on a CPU.
+LANDED_MAX_AGE = 60.0
 
 
 class Probe:
@@ -44,7 +49,8 @@ class Probe:
         # so a round trip never passes over all of them under the lock lookups take.
         self._answers = Lapsing()
         self._wanted: dict[bytes, None] = {}  # keys with no fresh answer, for the next ask
-        self._landed: dict[bytes, bool] = {}  # answers back, no lookup since
+        # Answers back, no lookup since: key -> (held, when it came back).
+        self._landed: dict[bytes, tuple[bool, float]] = {}
         self._epoch = 0  # advanced by `clear`: a round trip asked before lands nothing
         self._asking: set[bytes] = set()  # keys of the round trip out
         self._waiting = 0  # lookups whose keys are in `_wanted`
@@ -62,8 +68,9 @@ class Probe:
         with self._lock:
             if self._landed:  # their time to live starts now
                 self._answers.drop_lapsed(now)
-                for key, present in self._landed.items():
-                    self._answers.put(key, now + self.ttl_s, present)
+                for key, (present, at) in self._landed.items():
+                    if now - at <= LANDED_MAX_AGE:
+                        self._answers.put(key, now + self.ttl_s, present)
                 self._landed = {}
             held, unanswered = self._answers.split(keys, now)
             asking, wanted = self._asking, self._wanted
@@ -106,7 +113,8 @@ class Probe:
                 self.round_trips += 1
                 self.lookups += lookups
                 if epoch == self._epoch:
-                    self._landed.update(zip(keys, found, strict=True))
+                    at = time.monotonic()
+                    self._landed.update((k, (f, at)) for k, f in zip(keys, found, strict=True))
                 self._asking = set()
                 if not (self._again and self._wanted):
                     self._sending = False

@@ -511,6 +511,7 @@ class SchedulerSide:
         if st is None:
             return
         st.stored_at = None  # new blocks (a request is admitted only from waiting)
+        st.loading = 0  # a load of its earlier admission is reported already
         if st.answer is not None:
             self._count_lookup(*st.answer)
             st.answer = None
@@ -539,7 +540,7 @@ class SchedulerSide:
         self.stats.hit_tokens += num_external
         _add(self.stats.hit_tokens_by_tier, st.hit_source, num_external)
         st.loading = num_external
-        if st.hit_source != "cpu" and self._state_groups:
+        if self._state_groups:
             self._restored_boundary(st.keys, boundary)
         # What was loaded is stored already (unless the load fails: `loads_failed`).
         st.before_load = st.stored_chunks
@@ -940,13 +941,15 @@ class SchedulerSide:
         return self.index.admit_boundary(sizes, needs, boundary, own, parent)
 
     def _restored_boundary(self, keys: list[bytes], boundary: int) -> None:
-        """The boundary a hit from a lower tier restores: its states were promoted into
-        CPU memory one entry at a time, plain entries the eviction policy takes for
-        orphans (evicted first). Counted in as the boundary they are, a document
-        restored from disk is kept as one (the branch point of the questions after it)."""
+        """The boundary a hit restores, if its states are not one in the index: states
+        promoted from a lower tier come into CPU memory one entry at a time, plain
+        entries the eviction policy takes for orphans (evicted first), whichever request
+        then reads them. Counted in as the boundary they are, a document restored from
+        disk is kept as one (the branch point of the questions after it)."""
         c = boundary // self.planner.chunk_tokens - 1
         states = [(group_key(keys[c], g), g) for g in self._state_groups]
-        self._admit_boundary(keys, boundary, states, self._needs(keys, boundary))
+        if self.index.boundary_id(states[0][0]) is None:
+            self._admit_boundary(keys, boundary, states, self._needs(keys, boundary))
 
     def _decode_boundary(self, req: Request, start: int, end: int) -> bool:
         """Whether this step ends decoding on a chunk boundary past the prompt's
