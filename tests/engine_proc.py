@@ -4,10 +4,11 @@ Reads a JSON spec on stdin: {"model", "extra", "steps": [...], "shutdown"?, "eng
 (LLM keyword arguments), "env"?} and prints one line `RESULT <json>` with every
 generation, the scheduler side's snapshot and, when the worker runs in this process,
 its tier stats.
-Steps: {"op": "generate", "name", "prompt", "max_tokens"?, "fresh"?} (fresh: empty vLLM's
-own prefix cache and hybridkv's CPU tier first, so only the disk can serve a hit; with
-the worker in this process only), {"op": "reset", "connector"?} (empty vLLM's own prefix
-cache only; with "connector": true hybridkv's too, as after new weights),
+Steps: {"op": "generate", "name", "prompt", "max_tokens"?, "fresh"?, "salt"?} (fresh:
+empty vLLM's own prefix cache and hybridkv's CPU tier first, so only the disk can serve a
+hit; with the worker in this process only; salt: vLLM's `cache_salt`),
+{"op": "reset", "connector"?} (empty vLLM's own prefix cache only; with "connector": true
+hybridkv's too, as after new weights),
 {"op": "flush"}, {"op": "touch", "path"}, {"op": "wait", "path", "timeout"?},
 {"op": "limit_file_size", "bytes"}, {"op": "stall_disk_writes", "path"} (see
 `stall_disk_writes`).
@@ -64,7 +65,7 @@ def main() -> None:
             if step.get("fresh"):
                 llm.reset_prefix_cache()
                 drop_cpu_tier(llm)
-            out = generate(llm, [step["prompt"]], step.get("max_tokens", 8))[0]
+            out = generate(llm, [step["prompt"]], step.get("max_tokens", 8), step.get("salt"))[0]
             runs[step["name"]] = dataclasses.asdict(out)
         elif op == "reset":
             llm.reset_prefix_cache(reset_connector=step.get("connector", False))

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import EngineProc, run_engine_proc, tokens
 from redis_servers import redis_cluster, redis_server, require_redis
-from test_engine_disk import PROMPT, gen, hit_tokens, same_output
+from test_engine_disk import PROMPT, gen, hit_tokens, same_but_rounding, same_output
 
 pytestmark = pytest.mark.engine
 
@@ -74,7 +74,7 @@ def test_load_weights_pick_the_tier_that_serves_and_the_hit_stays_in_cpu(model_d
             ]
             return {"model": model_dirs["qwen3-next"], "extra": {"tiers": tiers}}
 
-        run_engine_proc({**spec(None), "steps": [gen("cold", prompt), {"op": "flush"}]})
+        a = run_engine_proc({**spec(None), "steps": [gen("cold", prompt), {"op": "flush"}]})
         steps = [gen("restored", prompt), gen("from_cpu", prompt, fresh=False)]
         restores = {f: run_engine_proc({**spec(f), "steps": steps}) for f in ("disk", "redis")}
     for favoured, b in restores.items():
@@ -86,6 +86,8 @@ def test_load_weights_pick_the_tier_that_serves_and_the_hit_stays_in_cpu(model_d
         assert b["runs"]["from_cpu"]["num_cached_tokens"] >= hit
         assert same_output(b["runs"]["from_cpu"], b["runs"]["restored"])
     assert same_output(restores["disk"]["runs"]["restored"], restores["redis"]["runs"]["restored"])
+    # and what they restored is what the first engine computed
+    assert same_but_rounding(restores["disk"]["runs"]["restored"], a["runs"]["cold"])
 
 
 def damage_every_value(raw) -> int:

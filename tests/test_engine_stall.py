@@ -11,10 +11,14 @@ its token in every step, and the restored request's output is the one it had col
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from conftest import tokens
+from serving import real_difference
 
 from hybridkv.engine import (
+    TOP_LOGPROBS,
     drop_cpu_tier,
     drop_page_cache,
     generate,
@@ -50,8 +54,10 @@ def test_decoding_goes_on_while_a_prefix_is_read_from_disk(
     worker = worker_connector().worker_side
     engine = llm.llm_engine
 
-    def params(n: int) -> SamplingParams:
-        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+    def params(n: int, logprobs: int | None = None) -> SamplingParams:
+        return SamplingParams(
+            temperature=0, max_tokens=n, ignore_eos=True, detokenize=False, logprobs=logprobs
+        )
 
     decoder = TokensPrompt(prompt_token_ids=tokens(40, seed=42))
     engine.add_request("decoder", decoder, params(DECODE))
@@ -59,7 +65,7 @@ def test_decoding_goes_on_while_a_prefix_is_read_from_disk(
     while decoded < 3:  # decoding, past its prefill
         decoded = max([len(o.outputs[0].token_ids) for o in engine.step()] or [decoded])
     waits = side.stats.waits
-    engine.add_request("restorer", TokensPrompt(prompt_token_ids=long), params(4))
+    engine.add_request("restorer", TokensPrompt(prompt_token_ids=long), params(4, TOP_LOGPROBS))
     gains, waiting_steps, loading_steps, restored = [], 0, 0, None
     while engine.has_unfinished_requests():
         waiting = side.stats.waits
@@ -80,5 +86,9 @@ def test_decoding_goes_on_while_a_prefix_is_read_from_disk(
     assert decoded == DECODE and set(gains) == {1}, gains
     C = side.planner.chunk_tokens
     assert restored.num_cached_tokens == (len(long) - 1) // C * C
-    assert list(restored.outputs[0].token_ids) == cold.token_ids
+    out = restored.outputs[0]
+    top = [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs]
+    chosen = [best[t] for best, t in zip(top, out.token_ids, strict=True)]
+    got = SimpleNamespace(token_ids=list(out.token_ids), logprobs=chosen, top=top)
+    assert real_difference(got, cold) is None, (got, cold)
     assert side.snapshot()["held_entries"] == 0
