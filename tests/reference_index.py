@@ -252,12 +252,6 @@ class StoreIndex:
             self.stats.cpu_full += 1
             return False
         self._insert(key, nbytes)
-        if self.recurrent:  # a chunk admitted (a boundary's states are no admissions)
-            last = self._ghosts.pop(key, None)
-            self._return_share += ((last is not None) - self._return_share) / RETURN_WINDOW
-            if last is not None:  # a return
-                gap = self._tick - last
-                self._return_gap += (gap - self._return_gap) / (16 if self._return_gap else 1)
         return True
 
     def _insert(self, key: bytes, nbytes: int) -> None:
@@ -267,6 +261,11 @@ class StoreIndex:
             self.listener.changed("cpu", key, True)
         if self.recurrent:
             self._loose[key] = None
+            last = self._ghosts.pop(key, None)
+            self._return_share += ((last is not None) - self._return_share) / RETURN_WINDOW
+            if last is not None:  # a return
+                gap = self._tick - last
+                self._return_gap += (gap - self._return_gap) / (16 if self._return_gap else 1)
         # Dropped earlier this step and stored again: the workers' copy stays good.
         for dropped in (self.orders.evict, self.orders.delete):
             if key in dropped:

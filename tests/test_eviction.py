@@ -326,16 +326,6 @@ def test_a_loop_longer_than_memory_keeps_a_fixed_set_and_lets_it_go_after():
     assert not any(held(index, c) for c in range(7))
 
 
-def test_a_loop_of_boundaries_with_as_many_states_as_chunks_is_detected():
-    """The share of returns is over the chunks stored: a boundary's states are never
-    remembered as evicted, and counted as admissions they held the share of a perfect
-    loop of two-chunk, two-state chains under LOOPING_SHARE, so it never settled."""
-    index = StoreIndex(cpu_capacity=(200 + 50 * 2) * 5, recurrent=True)  # five chains
-    hits = [sum(visit(index, c, 2) for c in range(7)) for _ in range(10)]
-    assert index.policy.looping, index.policy.return_share
-    assert min(hits[-3:]) >= 3, hits
-
-
 def test_lost_state_drops_its_boundary_and_its_sibling_becomes_an_orphan():
     index = StoreIndex(cpu_capacity=10_000, recurrent=True)
     add_chain(index, 1, 2)

@@ -319,6 +319,7 @@ class StoreIndex:
         if self._boundaries is not None:
             self._boundaries.add_boundary(
                 [key for key, _ in states],
+                [key for key, _ in new],
                 needs,
                 tokens,
                 own_bytes * self.ranks,
