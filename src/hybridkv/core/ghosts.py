@@ -6,7 +6,7 @@ GHOSTS_PER_ENTRY times the entries in CPU memory. At production sizes that is mi
 keys, more Python objects than the index itself holds, so above SAMPLED_FROM remembered
 keys the list keeps a spatial sample instead (SHARDS, Waldspurger et al., FAST '15): only
 keys whose bits fall in the sampled fraction, a power of two chosen so that at most
-SAMPLED_FROM are kept. The bits are the key's own (its first 8 bytes: blake3 output), not
+SAMPLED_FROM are kept. The bits are the key's own (its first bytes: blake3 output), not
 Python's `hash`, which differs with each process's hash seed: the sample, and with it
 the eviction policy's choices, would differ from one run of the same trace to the next.
 A key is sampled or not the same way when it is evicted and when it comes back, so the
@@ -23,7 +23,10 @@ SAMPLED_FROM = 16384
 
 
 def _bits(key: bytes) -> int:
-    return int.from_bytes(key[:8], "little")
+    """The low 24 bits of the key's first bytes (enough for a sample of one key in 2^24):
+    indexing allocates nothing, where `int.from_bytes` of a slice cost the index's stream
+    2 % a step (bench/paired_lookup.py)."""
+    return key[0] | key[1] << 8 | key[2] << 16
 
 
 class Ghosts:
