@@ -17,6 +17,7 @@ back to a fresh interpreter when it may not.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import runpy
 import sys
@@ -106,7 +107,9 @@ def _own_streams() -> None:
         for handler in getattr(logger, "handlers", ()):
             fd = old.get(id(getattr(handler, "stream", None)))
             if isinstance(handler, logging.StreamHandler) and fd is not None:
-                handler.stream = sys.stdout if fd == 1 else sys.stderr
+                # logging's last resort reads `sys.stderr` each time (no setter)
+                with contextlib.suppress(AttributeError):
+                    handler.stream = sys.stdout if fd == 1 else sys.stderr
 
 
 def _forget_parent_finalizers() -> None:
