@@ -25,7 +25,7 @@ if sys.argv[1] == "zeros":
     worker_side.WorkerSide._next_batch = zeroed
 from hybridkv.cli import main
 sys.exit(main(["demo", "--arch", "qwen3-next", "--size", "tiny", "--model", sys.argv[2],
-               "--prompt-tokens", "1024", "--cpu-bytes", "256MiB",
+               "--prompt-tokens", "512", "--cpu-bytes", "256MiB",
                "--kv-cache-bytes", "256MiB"]))
 """
 

@@ -569,9 +569,4 @@ def test_metrics_port_is_ignored_in_prometheus_multiprocess_mode(tmp_path: Path)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) is True
     assert "metrics_port" in out.stderr and "multiprocess" in out.stderr
-    assert list(shared.iterdir()) == []
-    env.pop("PROMETHEUS_MULTIPROC_DIR")
-    out = subprocess.run(
-        [sys.executable, "-c", MULTIPROCESS_MODE, port], env=env, capture_output=True, text=True
-    )
-    assert json.loads(out.stdout.strip().splitlines()[-1]) is False  # started without it
+    assert list(shared.iterdir()) == []  # (without it, the server starts: tests above)

@@ -76,7 +76,8 @@ def test_a_store_evicts_once_and_what_one_entry_at_a_time_would():
                 single.index.pin([kc.key])
                 st.owned.append(kc.key)
         end = len(keys_b) * BLOCK
-        single._admit_boundary(keys_b, end, planned_b[-len(STATES) :], single._needs(keys_b, end))
+        states = [(kc.key, kc.copy.group) for kc in planned_b[-len(STATES) :]]
+        single._admit_boundary(keys_b, end, states, single._needs(keys_b, end))
         assert [kc.key for kc in stored] == [kc.key for kc in planned]
         orders_a, orders_b = batched.index.take_orders(), single.index.take_orders()
         assert set(orders_a.evict) == set(orders_b.evict)
