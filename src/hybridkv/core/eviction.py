@@ -249,6 +249,7 @@ class BoundaryPolicy:
         as chunks stays under LOOPING_SHARE. Counting chunks alone detected it, but cost
         chat at 4 MiB 8 % of its hits on the hit-rate bench (0.554 -> 0.507,
         docs/benchmarks.md): LOOPING_SHARE was chosen with the states counted."""
+        self._version += 1  # (also with no new state: promoted states become one)
         for key in new:
             self._count_return(key)
         self.graph.add(states, needs, tokens, own_bytes, parent)
