@@ -45,7 +45,13 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(1, 2000) for _ in range(n)]
 
 
-_recomputed = itertools.count()
+_salts = itertools.count()
+
+
+def reference_salt() -> str:
+    """A cache salt no other request of the session has: a prompt under it is computed
+    from its first token (no hit from vLLM's cache nor from hybridkv)."""
+    return f"reference-{next(_salts)}"
 
 
 def recomputed(llm, prompt: list[int], max_tokens: int = 8):
@@ -55,7 +61,7 @@ def recomputed(llm, prompt: list[int], max_tokens: int = 8):
     vLLM's own prefix cache would read the very blocks the restore wrote."""
     from hybridkv.engine import generate
 
-    ref = generate(llm, [prompt], max_tokens, salt=f"reference-{next(_recomputed)}")[0]
+    ref = generate(llm, [prompt], max_tokens, salt=reference_salt())[0]
     assert ref.num_cached_tokens == 0
     return ref
 

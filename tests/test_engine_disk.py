@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import SEED, EngineProc, run_engine_proc, tokens
+from conftest import SEED, EngineProc, reference_salt, run_engine_proc, tokens
 from serving import last_boundary, real_difference
 
 from hybridkv.core.keys import chain_seed, chunk_keys, group_key
@@ -47,7 +47,7 @@ def gen(name: str, prompt: list[int], fresh: bool = False, salt: str | None = No
 def recomputed(name: str, prompt: list[int]) -> dict:
     """The reference for a restore in an engine process: the prompt under a cache salt
     of its own, computed from its first token (see conftest.recomputed)."""
-    return gen(name, prompt, salt=f"reference-{name}")
+    return gen(name, prompt, salt=reference_salt())
 
 
 def entry_files(root: Path, pattern: str = "*.kv") -> list[Path]:

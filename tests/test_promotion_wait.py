@@ -49,6 +49,14 @@ def promoted(side: SchedulerSide, keys: list[bytes], ok: bool = True) -> None:
     side.index.apply(0, WorkerReport(promoted=[(side.index.epoch, k, ok) for k in keys]))
 
 
+def _blocks(side: SchedulerSide):
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    groups = len(side.layout.groups)
+    return KVCacheBlocks(tuple([KVCacheBlock(i) for i in range(CHUNKS)] for _ in range(groups)))
+
+
 def test_a_disk_hit_waits_for_every_promotion_and_polls_start_nothing_new(waiting):
     side, req, needed = waiting
     assert side.num_new_matched_tokens(req, 0) is None
@@ -124,12 +132,7 @@ def test_a_hit_in_cpu_memory_after_a_failed_wait_is_counted_as_cpu(waiting):
     assert side.num_new_matched_tokens(req, 0) == 2 * BLOCK
     assert side.hit_source(req) == "cpu"
 
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
-    groups = len(side.layout.groups)
-    blocks = KVCacheBlocks(tuple([KVCacheBlock(i) for i in range(CHUNKS)] for _ in range(groups)))
-    side.after_alloc(req, blocks, 2 * BLOCK)
+    side.after_alloc(req, _blocks(side), 2 * BLOCK)
     side.loads_failed([req.request_id])
     counters, _ = side.metrics()
     assert counters["hit_tokens"] == {"cpu": 2 * BLOCK}
@@ -161,28 +164,15 @@ def test_a_boundary_restored_from_disk_is_counted_in_as_a_boundary(waiting):
     (the eviction policy keeps a boundary as one; plain entries no boundary needs are
     evicted first, and a document restored from disk would not stay the branch point
     of the questions after it)."""
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
     side, req, needed = waiting
     assert side.num_new_matched_tokens(req, 0) is None
     promoted(side, needed)
     assert side.num_new_matched_tokens(req, 0) == CHUNKS * BLOCK
     state = needed[-1]
     assert side.index.boundary_id(state) is None  # a plain entry so far
-    groups = len(side.layout.groups)
-    blocks = KVCacheBlocks(tuple([KVCacheBlock(i) for i in range(CHUNKS)] for _ in range(groups)))
-    side.after_alloc(req, blocks, CHUNKS * BLOCK)
+    side.after_alloc(req, _blocks(side), CHUNKS * BLOCK)
     assert side.index.boundary_id(state) is not None
     assert side.index.graph.count == 1
-
-
-def _blocks(side: SchedulerSide):
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
-    groups = len(side.layout.groups)
-    return KVCacheBlocks(tuple([KVCacheBlock(i) for i in range(CHUNKS)] for _ in range(groups)))
 
 
 def test_promoted_states_another_request_hits_in_cpu_memory_become_a_boundary(waiting):

@@ -28,7 +28,6 @@ tie that swaps a token ends the comparison there).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
 import time
 from collections.abc import Iterator
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SEED
+from conftest import SEED, reference_salt
 from serving import (
     Completion,
     MiB,
@@ -220,16 +219,9 @@ async def run_recomputed(srv: Server, prompts: list[list[int]], **kw: Any) -> li
     """All prompts at once, each under a cache salt of its own: computed from the first
     token, no hit from vLLM's cache or hybridkv (the reference no restore takes part in;
     a reference from an earlier round read KV the rounds' restores wrote)."""
-    run = next(_recomputed)
     async with srv.client() as client:
-        jobs = [
-            complete(client, srv.model, p, cache_salt=f"reference-{run}-{i}", **kw)
-            for i, p in enumerate(prompts)
-        ]
+        jobs = [complete(client, srv.model, p, cache_salt=reference_salt(), **kw) for p in prompts]
         return await gather_all(jobs)
-
-
-_recomputed = itertools.count()
 
 
 async def run_limited(srv: Server, prompts: list[list[int]], limit: int, **kw: Any) -> list:

@@ -540,12 +540,12 @@ class SchedulerSide:
         self.stats.hit_tokens += num_external
         _add(self.stats.hit_tokens_by_tier, st.hit_source, num_external)
         st.loading = num_external
-        if self._state_groups:
-            self._restored_boundary(st.keys, boundary)
         # What was loaded is stored already (unless the load fails: `loads_failed`).
         st.before_load = st.stored_chunks
         st.stored_chunks = max(st.stored_chunks, boundary // self.planner.chunk_tokens)
         self._observe(st, st.keys, [boundary])  # after a restart, disk entries are news
+        if self._state_groups:  # last: its fault (caught at the hook) costs itself alone
+            self._restored_boundary(st.keys, boundary)
 
     # ---- per-step plan ----------------------------------------------------------------------
     def build_meta(self, out: SchedulerOutput) -> HybridKVMetadata:
