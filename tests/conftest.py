@@ -6,6 +6,7 @@ import itertools
 import os
 import random
 import subprocess
+import threading
 
 import pytest
 
@@ -97,6 +98,7 @@ class _Zygote:
     a fresh interpreter's time."""
 
     _instance: _Zygote | None = None
+    _lock = threading.Lock()  # servers started side by side share one zygote
 
     def __init__(self) -> None:
         import atexit
@@ -121,9 +123,10 @@ class _Zygote:
 
     @classmethod
     def get(cls) -> _Zygote:
-        if cls._instance is None or cls._instance.proc.poll() is not None:
-            cls._instance = cls()
-        return cls._instance
+        with cls._lock:
+            if cls._instance is None or cls._instance.proc.poll() is not None:
+                cls._instance = cls()
+            return cls._instance
 
 
 class _Forked:

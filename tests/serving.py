@@ -65,6 +65,10 @@ def server_env() -> dict[str, str]:
     Processes are vLLM's defaults, as users run it: the API server, the engine core, and
     (the CPU platform turns 'uni' into 'mp') the model worker, each in its own."""
     env = dict(os.environ)
+    # The test process keeps its own engines in-process (tests/conftest.py); a server
+    # inheriting that would run the model worker inside the engine core, a layout no
+    # user of the server has.
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.update(
         VLLM_SERVER_DEV_MODE="1",
         HF_HUB_OFFLINE="1",

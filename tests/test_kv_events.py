@@ -19,6 +19,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,20 @@ class Replica:
     def close(self) -> None:
         self.stream.close()
         self.server.stop()
+
+
+def side_by_side(model: str, root: Path, names: tuple[str, ...], extra: dict[str, Any]) -> list:
+    """Replicas started at once: a start is mostly one process importing at a time, so two
+    overlap on two cores. If one fails to start, the others are closed and it raises."""
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = [pool.submit(Replica, model, root, name, extra) for name in names]
+    started = [f.result() for f in futures if f.exception() is None]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for r in started:
+            r.close()
+        raise failed[0]
+    return started
 
 
 def ours(events: list[Any], medium: str, stored: bool = True, group: int | None = None) -> list:
@@ -323,10 +338,8 @@ def test_a_scorer_on_the_events_picks_the_replica_that_restores_most(model_dirs,
     part; both have had vLLM's own cache reset, so only hybridkv holds anything. A scorer
     that counts each replica's announced blocks along a new prompt extending the long one
     picks the first; sent to both, the new prompt restores more there."""
-    cfg = {"cpu_bytes": "256MiB"}
-    a = Replica(model_dirs["qwen3-next"], tmp_path, "a", cfg)
+    a, b = side_by_side(model_dirs["qwen3-next"], tmp_path, ("a", "b"), {"cpu_bytes": "256MiB"})
     try:
-        b = Replica(model_dirs["qwen3-next"], tmp_path, "b", cfg)
         try:
             (length,) = drawn_lengths(1, seed=SEED * 100 + 50, lo=1100, hi=2500)
             long = tokens(length, SEED * 100 + 51)
