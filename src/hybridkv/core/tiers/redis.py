@@ -590,6 +590,7 @@ class RedisTier(QueuedTier):
             self._run_ids = run_ids
 
     def _probe_loop(self) -> None:
+        lower_priority()
         while True:
             with self._lock:
                 while not self._closed and (self._up or time.monotonic() < self._next_probe):
