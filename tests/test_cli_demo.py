@@ -53,5 +53,10 @@ def test_a_users_model_directory_is_run_as_it_is_never_written_over(tmp_path):
     with pytest.raises(FileExistsError, match="did not write"):
         make_model("qwen3", mine, size="tiny")
     assert model_for("qwen3", "tiny", mine) == mine
+    # `hybridkv make-model` says so as a usage error naming DIR, not a traceback
+    from conftest import run_cli
+
+    out = run_cli("make-model", "qwen3", str(mine))
+    assert out.returncode == 2 and "DIR" in out.stdout and "Traceback" not in out.stdout
     assert [p.name for p in mine.iterdir()] == ["config.json"]
     assert (mine / "config.json").read_text() == '{"model_type": "llama"}'

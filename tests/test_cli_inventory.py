@@ -484,6 +484,60 @@ def test_inspect_notes_a_layout_it_cannot_list(tmp_path, capsys, monkeypatch):
     assert notes[(bytes([0]) * 16).hex()] is None
 
 
+def _one_layout(root: Path, fp: bytes = bytes(range(16))) -> Path:
+    tier = DiskTier(root, fp, {"model": "m"}, 1 << 30)
+    tier.put(group_key(b"\x01" * KEY_BYTES, 0), torch.zeros(100, dtype=torch.int8))
+    tier.flush()
+    tier.close()
+    return root / fp.hex()
+
+
+def test_gc_prints_a_path_as_text_not_markup(tmp_path, capsys):
+    """A directory named like rich markup: gc says the path it removed, and a stray
+    closing tag no longer fails the command after it removed the entries."""
+    for name in ("cache[old]", "x[/b]"):
+        root = tmp_path / name
+        layout_dir = _one_layout(root)
+        rc, out = run_cli(capsys, "gc", str(root), "--layout", layout_dir.name[:6])
+        said = "".join(out.split())  # the console wraps long lines
+        assert rc == 0 and f"removedlayoutdirectory{layout_dir}" in said, out
+
+
+def test_gc_keeps_a_layout_directory_it_cannot_read(tmp_path, capsys, monkeypatch):
+    """Another user's layout directory in a shared disk_path: gc says it kept it, no
+    traceback. (The fault is injected: this suite runs as root.)"""
+    from hybridkv.core import trim
+
+    layout_dir = _one_layout(tmp_path)
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(trim, "scan_layout_dir", refuse)
+    rc, out = run_cli(capsys, "gc", str(tmp_path), "--layout", layout_dir.name[:6])
+    assert rc == 0 and f"keptlayoutdirectory{layout_dir}" in "".join(out.split()), out
+
+
+def test_inspect_dot_from_inside_a_layout_directory(tmp_path, capsys, monkeypatch):
+    layout_dir = _one_layout(tmp_path)
+    monkeypatch.chdir(layout_dir)
+    rc, data = inspect_json(capsys, ".")
+    assert rc == 0 and [lay["fingerprint"] for lay in data["layouts"]] == [layout_dir.name]
+    assert data["entries"] == 1, data
+
+
+def test_inspect_of_a_path_it_cannot_search_says_so(tmp_path, capsys, monkeypatch):
+    """A parent this user may not search: a clear error, exit 2, no traceback. (The
+    fault is injected: this suite runs as root.)"""
+
+    def refuse(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_dir", refuse)
+    rc, out = run_cli(capsys, "inspect", str(tmp_path / "sub"))
+    assert rc == 2, out
+
+
 def test_a_duration_too_long_for_a_number_is_a_usage_error():
     from hybridkv.core.trim import parse_duration
 

@@ -116,6 +116,33 @@ def test_bad_checkpoint_policy(value):
         HybridKVConfig.from_dict({"checkpoint_policy": value})
 
 
+def test_tier_order_errors_name_their_source(tmp_path):
+    f = tmp_path / "tiers.yaml"
+    f.write_text("tiers: [{kind: disk, path: /tmp/x}]\n")
+    with pytest.raises(ConfigError) as e:
+        HybridKVConfig.from_dict({"config_file": str(f)}, env={})
+    assert str(e.value).startswith("tiers: a cpu tier is required") and str(f) in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://127.0.0.1:6379/1", "redis://127.0.0.1:6379?db=2", "unix:///run/redis.sock"]
+)
+def test_a_cluster_url_no_cluster_can_serve_is_refused(url):
+    """A Redis Cluster has database 0 alone and no unix sockets: such a URL would leave
+    the tier down for good, retrying, instead of failing at start."""
+    msg = _err({"redis_url": url, "redis_cluster": True}, "redis_cluster")
+    assert "Cluster" in msg
+    HybridKVConfig.from_dict({"redis_url": url}, env={})  # without cluster: fine
+    HybridKVConfig.from_dict({"redis_url": "redis://h:6379/0", "redis_cluster": True}, env={})
+
+
+def test_a_config_file_not_in_utf8_names_the_key(tmp_path):
+    f = tmp_path / "latin1.yaml"
+    f.write_bytes("# café\ncpu_bytes: 1GiB\n".encode("latin-1"))
+    msg = _err({"config_file": str(f)}, "config_file")
+    assert "UTF-8" in msg
+
+
 @pytest.mark.parametrize("value", [0, -1, "x", "64", True, False, 64.0])
 def test_bad_chunk_tokens(value):
     with pytest.raises(ConfigError, match=r"^chunk_tokens: "):
@@ -823,11 +850,13 @@ def test_effective_masks_secrets(tmp_path):
     assert effective(HybridKVConfig())["integrity_key"] is None
 
 
-def test_effective_is_a_valid_config(tmp_path):
-    cfg = HybridKVConfig.from_dict(
-        {"tiers": full_tiers(str(tmp_path)), "chunk_tokens": 32, "model_id": "m"}
-    )
-    assert HybridKVConfig.from_dict(effective(cfg)) == cfg
+@pytest.mark.parametrize(
+    "extra", [{"chunk_tokens": 32, "model_id": "m"}, {}], ids=["set", "defaults"]
+)
+def test_effective_is_a_valid_config(tmp_path, extra):
+    cfg = HybridKVConfig.from_dict({"tiers": full_tiers(str(tmp_path)), **extra}, env={})
+    assert HybridKVConfig.from_dict(effective(cfg), env={}) == cfg
+    assert HybridKVConfig.from_dict(effective(HybridKVConfig()), env={}) == HybridKVConfig()
 
 
 @pytest.mark.parametrize(
@@ -838,10 +867,22 @@ def test_effective_is_a_valid_config(tmp_path):
         ("redis://h/0?password=pw&db=1", "redis://h/0?password=***&db=1"),
         ("redis://h:6379/0", "redis://h:6379/0"),
         ("unix:///run/redis.sock", "unix:///run/redis.sock"),
+        # a password holding '#', '?' or '/' ends the authority urllib parses
+        ("redis://:S3cr#t@h:6379/0", "redis://:***@h:6379/0"),
+        ("redis://u:a/b?c@h:6379/0", "redis://u:***@h:6379/0"),
     ],
 )
 def test_mask_url(url, shown):
     assert mask_url(url) == shown
+
+
+@pytest.mark.parametrize("password", ["S3cr#tPW", "S3cr?tPW", "S3cr/tPW", "1234/tPW"])
+def test_a_password_urllib_misreads_is_never_shown(password):
+    """urllib takes what follows '#', '?' or '/' for the path, query or fragment, and
+    what precedes it for the port: neither the URL shown nor urllib's complaint about the
+    port may carry any part of the password."""
+    msg = _err({"redis_url": f"redis://:{password}@cache:6379/0"}, "redis_url")
+    assert "S3cr" not in msg and "tPW" not in msg and "1234" not in msg, msg
 
 
 def test_url_errors_do_not_echo_passwords():
@@ -1023,3 +1064,24 @@ def test_a_cpu_tier_setting_that_would_be_ignored_is_refused(setting, value):
     that means something only below it fails, naming it, instead of being ignored."""
     with pytest.raises(ConfigError, match=f"tiers\\[0\\].{setting}"):
         HybridKVConfig.from_dict({"tiers": [{"kind": "cpu", setting: value}]}, env={})
+
+
+def test_secrets_in_the_extra_config_are_named_not_shown(caplog):
+    """vLLM logs kv_connector_extra_config verbatim at start: a secret there warns,
+    naming the keys (never the secret), and says where secrets belong; the same
+    settings without secrets warn of nothing."""
+    from hybridkv.core.shared_tiers import warn_logged_secrets
+
+    raw = {
+        "integrity_key": SECRET,
+        "tiers": [{"kind": "cpu"}, {"kind": "redis", "url": "redis://:hunter2@h:6379/0"}],
+        "redis_url": "redis://h:6379/0?password=hunter3",
+    }
+    caplog.clear()
+    warn_logged_secrets(raw)
+    (msg,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "integrity_key" in msg and "tiers[1].url" in msg and "redis_url" in msg, msg
+    assert SECRET not in msg and "hunter" not in msg and "HYBRIDKV_INTEGRITY_KEY" in msg
+    caplog.clear()
+    warn_logged_secrets({"redis_url": "redis://h:6379/0", "tiers": [{"kind": "cpu"}]})
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

@@ -10,6 +10,7 @@ change that only helps the tuning group shows as such.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ def make_trace(spec: str, vocab: int = 2048, **overrides: Any) -> Trace:
     """A trace from a short spec: a family's name (optionally `name:key=value,...` for
     its generator's parameters), `mooncake:PATH[:TOKENS_PER_BLOCK]`, `sharegpt:PATH` or
     `file:PATH` (a trace saved by `Trace.save`). Its group is in `params["group"]`."""
+    check_trace_spec(spec)
     kind, _, rest = spec.partition(":")
     if kind in FAMILIES:
         kwargs: dict[str, Any] = {"vocab": vocab, **overrides}
@@ -57,13 +59,24 @@ def make_trace(spec: str, vocab: int = 2048, **overrides: Any) -> Trace:
         group = HELD_OUT
     elif kind == "sharegpt":
         trace, group = read_sharegpt(rest, vocab=vocab, **overrides), HELD_OUT
-    elif kind == "file":
+    else:  # file:
         trace = Trace.load(rest)
         group = trace.params.get("group", HELD_OUT)
-    else:
+    trace.params["group"] = group
+    return trace
+
+
+def check_trace_spec(spec: str) -> None:
+    """Raise a ValueError naming `trace` unless `spec` names a family or an existing
+    file of a trace format: checked before a run starts, not when its turn comes."""
+    kind, _, rest = spec.partition(":")
+    if kind in FAMILIES:
+        return
+    if kind not in ("mooncake", "sharegpt", "file"):
         raise ValueError(
             f"trace: expected one of {', '.join(FAMILIES)}, mooncake:, sharegpt: or file:,"
             f" got {spec!r}"
         )
-    trace.params["group"] = group
-    return trace
+    path = rest.partition(":")[0] if kind == "mooncake" else rest
+    if not os.path.isfile(path):
+        raise ValueError(f"trace: {spec!r} names no file ({path!r})")

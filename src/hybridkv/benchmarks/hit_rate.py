@@ -51,10 +51,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridkv.benchmarks.families import make_trace
+from hybridkv.benchmarks.families import check_trace_spec, make_trace
 from hybridkv.benchmarks.figures import MIB, engine_process, percentile, write_result
 from hybridkv.benchmarks.oracle import Capacity, Geometry, bound, packing
 from hybridkv.benchmarks.traces import Trace, with_max_tokens
+from hybridkv.core.config import ConfigError, HybridKVConfig
 
 SYSTEMS = ("hybridkv", "vllm-offload", "none")
 QUICK_TRACE = (
@@ -481,6 +482,14 @@ class HitRateSettings:
         for name in self.systems:
             if not (name in SYSTEMS or (name.startswith("hybridkv@") and len(name) > 9)):
                 raise ValueError(f"systems: expected {SYSTEMS} or hybridkv@REV, got {name!r}")
+        for spec in self.traces:
+            check_trace_spec(spec)
+        for key in ("budgets_mib", "kv_cache_mib", "max_tokens", "in_flight", "limit"):
+            value = getattr(self, key)
+            if value is not None and any(
+                v <= 0 for v in (value if isinstance(value, list) else [value])
+            ):
+                raise ValueError(f"{key}: expected positive numbers, got {value!r}")
         for key in ("hybridkv_extra", "offload_extra"):
             raw = getattr(self, key)
             try:
@@ -489,6 +498,10 @@ class HitRateSettings:
                 raise ValueError(f"{key}: {raw!r} is not JSON ({e})") from None
             if not isinstance(value, dict):
                 raise ValueError(f"{key}: expected a JSON object, got {value!r}")
+        try:  # hybridkv's settings fail now, not in its first engine, minutes in
+            HybridKVConfig.from_dict({"cpu_bytes": MIB, **json.loads(self.hybridkv_extra)}, env={})
+        except ConfigError as e:
+            raise ValueError(f"hybridkv_extra: {e}") from None
 
     @classmethod
     def make(cls, quick: bool = False, **given: Any) -> HitRateSettings:

@@ -177,6 +177,8 @@ def hit_rate(
         )
     except ValueError as e:  # "<setting>: what is wrong"
         key = str(e).partition(":")[0]
-        option = {"systems": "--system"}.get(key, "--" + key.replace("_", "-"))
+        option = {"systems": "--system", "budgets_mib": "--budget-mib"}.get(
+            key, "--" + key.replace("_", "-")
+        )
         raise typer.BadParameter(str(e), param_hint=option) from None
     run(settings)

@@ -30,7 +30,10 @@ def make_model_cmd(
     seed: Annotated[int, typer.Option(help="weights seed: same seed, same bytes")] = 0,
 ) -> None:
     """Write a deterministic random-weight model (config, safetensors, tokenizer)."""
-    typer.echo(make_model(arch.value, directory, size=size.value, seed=seed))
+    try:
+        typer.echo(make_model(arch.value, directory, size=size.value, seed=seed))
+    except (FileExistsError, NotADirectoryError) as e:  # a directory of the user's own
+        raise typer.BadParameter(str(e), param_hint="DIR") from None
 
 
 @app.command()

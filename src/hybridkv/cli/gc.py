@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from hybridkv.cli.app import app, size_option
@@ -89,9 +90,12 @@ def gc(
     if result.skipped:
         console.print(f"{result.skipped} left: an engine replaced or removed them meanwhile")
     for where in result.layout_dirs_removed:
-        console.print(f"removed layout directory {where}")
+        console.print(f"removed layout directory {escape(where)}")
     for where in result.layout_dirs_left:
-        console.print(f"kept layout directory {where}: a write is under way in it")
+        console.print(
+            f"kept layout directory {escape(where)}: a write is under way in it, or it "
+            "cannot be read or removed by this user"
+        )
 
 
 def show_plan(console: Console, p: Plan, dry_run: bool) -> None:

@@ -45,6 +45,8 @@ from pydantic import (
     StrictStr,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 from pydantic.fields import FieldInfo
@@ -155,19 +157,29 @@ def _directory(value: str) -> str:
     return value
 
 
+def _mask_userinfo(userinfo: str) -> str:
+    user, colon, _ = userinfo.partition(":")
+    return f"{user}:***" if colon else userinfo
+
+
 def mask_url(url: str) -> str:
     """`url` with its password (user info or `?password=`) replaced by ***."""
+    scheme, sep, rest = url.partition("://")
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparsable URL>"
     netloc = parts.netloc
+    if sep and "@" in rest and "@" not in netloc:
+        # A password holding '/', '?' or '#' ends the parsed authority early, so the
+        # parts miss the user info: mask up to the last '@' (more than needed at worst).
+        userinfo, _, after = rest.rpartition("@")
+        return f"{scheme}://{_mask_userinfo(userinfo)}@{after}"
     if "@" not in netloc and "password=" not in parts.query.lower():
         return url
     if "@" in netloc:
         userinfo, _, hostport = netloc.rpartition("@")
-        user, colon, _ = userinfo.partition(":")
-        netloc = f"{user}:***@{hostport}" if colon else f"{userinfo}@{hostport}"
+        netloc = f"{_mask_userinfo(userinfo)}@{hostport}"
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
@@ -184,8 +196,13 @@ def _redis_url(value: str) -> str:
     try:
         parts = urlsplit(value)
         parts.port  # noqa: B018 - raises on a port that is not a number
-    except ValueError as e:
-        raise ValueError(f"{shown!r} is not a valid URL ({e})") from None
+    except ValueError:
+        # Not urllib's message: it quotes what it took for the port, which may be part
+        # of a password.
+        raise ValueError(
+            f"{shown!r} is not a valid URL (its port is not a number; a password holding "
+            "'/', '?' or '#' must be percent-encoded)"
+        ) from None
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"expected a redis://, rediss:// or unix:// URL, got {shown!r}")
     if parts.scheme == "unix" and not parts.path:
@@ -292,6 +309,22 @@ class RedisTierConfig(_Tier):
     # tier's MIN_PART_BYTES, core/tiers/redis.py).
     max_entry_bytes: Annotated[Size, Field(ge=4096)] = 8 * MiB
     queue_bytes: PositiveSize = 256 * MiB
+
+    @field_validator("cluster")
+    @classmethod
+    def _cluster_url(cls, cluster: bool, info: ValidationInfo) -> bool:
+        """A Redis Cluster has database 0 alone and no unix sockets: a URL naming either
+        would pass here and leave the tier down for good at its first connect."""
+        url = info.data.get("url")
+        if cluster and url:
+            if urlsplit(url).scheme == "unix":
+                raise ValueError("a Redis Cluster is reached by redis:// or rediss://, not unix://")
+            import redis.connection
+
+            db = redis.connection.parse_url(url).get("db", 0)
+            if db != 0:
+                raise ValueError(f"a Redis Cluster has database 0 alone; the URL names {db}")
+        return cluster
 
     def __repr_args__(self):  # the URL may hold a password
         for name, value in super().__repr_args__():
@@ -422,6 +455,8 @@ def _read_config_file(path: str) -> dict[str, Any]:
             text = f.read()
     except OSError as e:
         raise ConfigError(f"config_file: cannot read {path!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config_file: {path!r} is not UTF-8 text (byte {e.start})") from None
     if path.lower().endswith(".json"):
         try:
             data = json.loads(text) if text.strip() else None
@@ -639,24 +674,13 @@ class HybridKVConfig(BaseSettings):
                 f"(a disk or redis tier){where.get('integrity_key', '')}"
             )
         try:
-            return handler(data)
+            config = handler(data)
         except ValidationError as e:
             raise ConfigError(_explain(e, names, where)) from None
-
-    @model_validator(mode="after")
-    def _check_tiers(self) -> HybridKVConfig:
-        kinds = [t.kind for t in self.tiers]
-        if "cpu" not in kinds:
-            raise ConfigError("tiers: a cpu tier is required, first in the list")
-        if kinds[0] != "cpu":
-            raise ConfigError(
-                f"tiers[{kinds.index('cpu')}].kind: the cpu tier must come first "
-                f"(tiers are listed in lookup order)"
-            )
-        for i, kind in enumerate(kinds):
-            if kind in kinds[:i]:
-                raise ConfigError(f"tiers[{i}].kind: a second {kind} tier; at most one of each")
-        return self
+        problem = _tier_order_problem([t.kind for t in config.tiers])
+        if problem:
+            raise ConfigError(f"{problem}{where.get('tiers', '')}")
+        return config
 
     @property
     def integrity_key(self) -> str | None:
@@ -771,6 +795,21 @@ def _shown(value: Any) -> Any:
     return value
 
 
+def _tier_order_problem(kinds: list[str]) -> str | None:
+    """What is wrong with the tiers' kinds in this order, naming the key; None if nothing."""
+    if "cpu" not in kinds:
+        return "tiers: a cpu tier is required, first in the list"
+    if kinds[0] != "cpu":
+        return (
+            f"tiers[{kinds.index('cpu')}].kind: the cpu tier must come first "
+            f"(tiers are listed in lookup order)"
+        )
+    for i, kind in enumerate(kinds):
+        if kind in kinds[:i]:
+            return f"tiers[{i}].kind: a second {kind} tier; at most one of each"
+    return None
+
+
 def _explain(
     e: ValidationError, names: Mapping[tuple[str, str], str], where: Mapping[str, str]
 ) -> str:
@@ -789,6 +828,9 @@ def _explain(
 def effective(config: HybridKVConfig) -> dict[str, Any]:
     """The configuration as it applies, for logging once at start: every key (tiers as
     the normalized list), sizes spelled in units, modes in octal, secrets masked
-    (`integrity_key` as "***", passwords in Redis URLs as ***). Apart from the masked
+    (`integrity_key` as "***", passwords in Redis URLs as ***); `model_id` only when set
+    (null is refused: the engine's model path is its default). Apart from the masked
     secrets it is itself a valid configuration."""
-    return config.model_dump(mode="json", by_alias=True)
+    return config.model_dump(
+        mode="json", by_alias=True, exclude={"model_id"} if config.model_id is None else None
+    )

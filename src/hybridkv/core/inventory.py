@@ -227,14 +227,25 @@ class DiskStore:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        if not self.path.is_dir():
-            raise InventoryError(f"{self.path} is no directory")
+        try:
+            if not self.path.is_dir():
+                raise InventoryError(f"{self.path} is no directory")
+        except OSError as e:  # a parent this user may not search
+            raise InventoryError(f"cannot read {self.path}: {e.strerror or e}") from None
 
     def _layout_dirs(self, strays: Strays) -> list[Path]:
         """The layout directories: `path` itself when it is one (a fingerprint name
-        holding layout.json), else its subdirectories named by a fingerprint."""
-        if _FINGERPRINT_HEX.match(self.path.name) and (self.path / LAYOUT_JSON).exists():
-            return [self.path]
+        holding layout.json; `.` from inside one too), else its subdirectories named by
+        a fingerprint."""
+        try:
+            itself = (
+                _FINGERPRINT_HEX.match(self.path.resolve().name)
+                and (self.path / LAYOUT_JSON).exists()
+            )
+        except OSError as e:
+            raise InventoryError(f"cannot read {self.path}: {e.strerror or e}") from None
+        if itself:
+            return [self.path.resolve()]  # named by its fingerprint, `.` too
         dirs = []
         try:
             children = sorted(os.scandir(self.path), key=lambda e: e.name)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from hybridkv.core.config import HybridKVConfig, mask_url
 
@@ -44,6 +46,34 @@ def unprotected_tiers(config: HybridKVConfig) -> list[str]:
     if config.redis is not None:
         found.append(f"redis tier {mask_url(config.redis.url)} (any client of it may write)")
     return found
+
+
+def secrets_in(raw: Mapping[str, Any], path: str = "") -> list[str]:
+    """The keys of `raw` (kv_connector_extra_config) that hold a secret: `integrity_key`,
+    or a URL with a password, at any depth (a `tiers` list too)."""
+    found = []
+    items = raw.items() if isinstance(raw, Mapping) else enumerate(raw)
+    for key, value in items:
+        name = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+        secret_url = isinstance(value, str) and "://" in value and mask_url(value) != value
+        if secret_url or (key == "integrity_key" and value is not None):
+            found.append(name)
+        elif isinstance(value, Mapping | list | tuple):
+            found += secrets_in(value, name)
+    return found
+
+
+def warn_logged_secrets(raw: Mapping[str, Any]) -> None:
+    """vLLM logs `kv_connector_extra_config` verbatim at start (its `non-default args`
+    line masks only its own secrets): a secret given there is in the log already. Say so
+    once, and where secrets belong."""
+    if keys := secrets_in(raw):
+        log.warning(
+            "hybridkv: %s in kv_connector_extra_config, which vLLM writes to its log at "
+            "start: give secrets as HYBRIDKV_INTEGRITY_KEY / HYBRIDKV_REDIS_URL or in "
+            "config_file (docs/config.md)",
+            ", ".join(keys),
+        )
 
 
 def warn_unprotected_tiers(config: HybridKVConfig) -> None:

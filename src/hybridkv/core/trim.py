@@ -183,14 +183,14 @@ def _remove_dir(layout_dir: Path) -> bool:
     and the directory. A write under way (a younger temporary file, or an entry an
     engine wrote meanwhile) keeps the directory as it is."""
     now = time.time()
-    for e in scan_layout_dir(layout_dir):
-        with contextlib.suppress(OSError):
-            if (
-                is_temporary(e.name)
-                and now - e.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS
-            ):
-                discard(e.path)
     try:
+        for e in scan_layout_dir(layout_dir):
+            with contextlib.suppress(OSError):
+                if (
+                    is_temporary(e.name)
+                    and now - e.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS
+                ):
+                    discard(e.path)
         for sub in os.scandir(layout_dir):
             if len(sub.name) == 2 and sub.is_dir(follow_symlinks=False):
                 with contextlib.suppress(OSError):  # not empty: a write landed

@@ -37,7 +37,7 @@ from hybridkv.core.layout import GroupKind
 from hybridkv.core.planner import Planner
 from hybridkv.core.policy import CheckpointPolicy
 from hybridkv.core.probe import Probe
-from hybridkv.core.shared_tiers import warn_unprotected_tiers
+from hybridkv.core.shared_tiers import warn_logged_secrets, warn_unprotected_tiers
 from hybridkv.core.store import TieredStore, redis_tier
 from hybridkv.vllm.kv_events import kv_events
 from hybridkv.vllm.layout import group_layer_pages, layout_from_vllm
@@ -292,6 +292,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
                 check_load_failure_policy(vllm_config)
             log.info("hybridkv: settings %s", json.dumps(effective(self.config)))
             warn_unprotected_tiers(self.config)  # once per engine: not per rank
+            warn_logged_secrets(ktc.kv_connector_extra_config or {})
             self._reporter = metrics.Reporter("scheduler")
             if self.config.metrics_port is not None:
                 self.metrics_server = start_metrics_server(
