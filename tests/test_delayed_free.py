@@ -170,6 +170,42 @@ def test_a_fault_listing_the_blocks_handed_over_reaches_no_scheduler(
     eng.check_settled(lossy=runner == "v2")
 
 
+@pytest.mark.parametrize(("runner", "fault"), [("v2", "_overtaken"), ("v1", "hold_compute")])
+def test_a_fault_in_the_workers_guard_drops_what_is_in_flight(
+    model_dir, monkeypatch, runner, fault
+):
+    """The pool-pressure stream above (blocks handed on while stores read them, copies
+    landing two steps late), with the worker's guard failing every time (no input makes
+    the real one fail, so the fault is injected): dropping the overtaken entries, or
+    ordering the compute stream behind them. Both hooks that run the guard caught it,
+    so its stores used to copy blocks already zeroed or rewritten, saved under their
+    keys (10 of 54 entries held other tokens' KV, restored three times). Now a failed
+    guard drops every entry in flight: hits are lost, no entry holds wrong bytes and no
+    restore computes on one."""
+    from hybridkv.vllm.worker_side import WorkerSide
+
+    eng = Engine(model_dir, False, seed=9, runner=runner, num_blocks=40)
+    slow = SlowCopies(eng.worker.copies, lambda: eng.steps)
+    eng.copies_land = lambda step: slow.land(queued_before=step - 2)
+    faults = 0
+
+    def boom(*args, **kwargs):
+        nonlocal faults
+        faults += 1
+        raise RuntimeError("injected guard fault")
+
+    if fault == "_overtaken":
+        monkeypatch.setattr(WorkerSide, "_overtaken", boom)
+    else:
+        monkeypatch.setattr(eng.worker.copies, "hold_compute", boom)
+    reqs = [eng.add(f"r{i}", _prompt(40 + 7 * i, 40 + i), max_tokens=30) for i in range(5)]
+    eng.run(limit=800)  # every restore's blocks checked as its request computes
+    assert faults > 0 and sum(r.num_preemptions for r in reqs) > 0
+    slow.land()
+    eng.worker._land()
+    eng.check_entries()
+
+
 @pytest.mark.parametrize("async_scheduling", MODES)
 def test_a_failed_load_is_reported_only_after_its_copies_in_flight_land(
     model_dir, async_scheduling

@@ -232,9 +232,20 @@ class WorkerSide:
         `preprocess_state` copied states into them; another connector's load writes
         outside the streams; this hook not called at all), the entries copied from such
         a block are dropped, never stored, and a load that read one fails (vLLM
-        recomputes it): a lost hit, never wrong bytes."""
+        recomputes it): a lost hit, never wrong bytes. If anything here fails, every
+        entry in flight is dropped the same way (`_drop_in_flight`) before the fault is
+        raised: a store left copying a block handed on would save another request's KV."""
         if meta is self._guarded:
             return
+        try:
+            self._guard(meta, hook)
+        except BaseException:
+            self._drop_in_flight()
+            raise
+        finally:
+            self._guarded = meta
+
+    def _guard(self, meta: HybridKVMetadata, hook: bool) -> None:
         handed, foreign = set(meta.allocated_blocks), set(meta.foreign_blocks)
         ordered = hook and self.hook_before_reuse
         newest: Landing | None = None
@@ -252,7 +263,19 @@ class WorkerSide:
             self.stats.held_compute += 1
         if overtaken:
             self._overtaken(overtaken)
-        self._guarded = meta
+
+    def _drop_in_flight(self) -> None:
+        """Drop every entry not landed yet, and fail every restore reading one: what
+        `_overtaken` does to the entries of blocks handed on, for all of them, in as few
+        steps as can fail (a fault on the way to knowing which blocks were handed on)."""
+        self.stats.overtaken_entries += sum(
+            s.entry is not None for p in self._landing for s in p.items
+        )
+        for pending in self._landing:
+            pending.items = [s._replace(entry=None) for s in pending.items]
+        for tag, (_, landing) in self._staged.items():
+            self._staged[tag] = (None, landing)
+        self._fail_restores([r for r in self._restores if r.sources])
 
     def _overtaken(self, ids: set[int]) -> None:
         """Drop the entries `ids` (by id()) wherever they wait: stores landing, tags,
