@@ -65,7 +65,11 @@ def model_dir(tmp_path_factory):
 
 
 def _configs(
-    model_dir, async_scheduling: bool, num_blocks: int = NUM_BLOCKS, kv_events: bool = False
+    model_dir,
+    async_scheduling: bool,
+    num_blocks: int = NUM_BLOCKS,
+    kv_events: bool = False,
+    extra: dict | None = None,
 ):
     from vllm.config import (
         CacheConfig,
@@ -95,7 +99,7 @@ def _configs(
         ),
         kv_transfer_config=KVTransferConfig(
             **CONNECTOR,
-            kv_connector_extra_config={"cpu_bytes": 64 << 20},
+            kv_connector_extra_config={"cpu_bytes": 64 << 20, **(extra or {})},
             kv_load_failure_policy="recompute",
         ),
     )
@@ -153,6 +157,7 @@ class Engine:
     # flight with slow_copies.py). False: the scheduler side keeps what the connector
     # decided for this CPU configuration (a store lands within its step).
     copies_in_flight: bool = True
+    extra: dict | None = None  # more of hybridkv's settings (a disk tier)
 
     def __post_init__(self):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -170,7 +175,7 @@ class Engine:
         from hybridkv.vllm.layout import group_layer_pages
 
         vllm_config, kv_cache_config = _configs(
-            self.model_dir, self.async_scheduling, self.num_blocks, self.kv_events
+            self.model_dir, self.async_scheduling, self.num_blocks, self.kv_events, self.extra
         )
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
         cls = AsyncScheduler if self.async_scheduling else Scheduler

@@ -350,14 +350,14 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_guarded(lambda: None)
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        reports, landed = (
+            (meta.reports, meta.landed) if isinstance(meta, HybridKVWorkerMeta) else ({}, {})
+        )
+        self.scheduler_side.worker_output(reports, landed, connector_output.failed_recving or ())
         stats = own_stats(connector_output.kv_connector_stats)
         if stats is not None:
             self._worker_report = metrics.merge(metrics.empty(), stats.data)
-        meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, HybridKVWorkerMeta):
-            self.scheduler_side.worker_reports(meta.reports)
-            self.scheduler_side.stores_landed(meta.landed)
-        self.scheduler_side.loads_failed(connector_output.failed_recving or ())
 
     @_guarded(lambda: (False, None))
     def request_finished(

@@ -272,10 +272,18 @@ class KVEvents:
     # ---- out ------------------------------------------------------------------------------
     def take(self) -> list[KVCacheEvent]:
         """The step's events: one `BlockStored` per entry that became resumable on a tier,
-        one `BlockRemoved` per (tier, group) for those that stopped being so."""
-        if self.broken:
-            final, self._final = self._final, []
-            return final
+        one `BlockRemoved` per (tier, group) for those that stopped being so. A fault
+        here has consumed the tracker's changes: the events stop (`stop`), and this step
+        sends their retraction instead."""
+        if not self.broken:
+            try:
+                return self._take()
+            except Exception:
+                self.stop()
+        final, self._final = self._final, []
+        return final
+
+    def _take(self) -> list[KVCacheEvent]:
         events: list[KVCacheEvent] = []
         as_ints = envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
         for a in self.tracker.take():

@@ -504,7 +504,24 @@ class SchedulerSide:
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         """Plan the load of a reported hit. vLLM calls this a second time once the load
-        is done (with no external tokens), and for requests without a hit."""
+        is done (with no external tokens), and for requests without a hit. With a hit,
+        vLLM keeps the request waiting until its load is reported: whatever fails here
+        before the load is queued, it is queued as a failed one (vLLM recomputes the
+        request) and the request's pins go, before the fault is raised to the hook."""
+        queued = len(self._loads)
+        try:
+            self._after_alloc(request, blocks, num_external)
+        except BaseException:
+            if num_external > 0 and len(self._loads) == queued:
+                self._loads.append(RequestLoad(request.request_id, [], failed=True))
+                self.stats.failed_plans += 1
+                st = self._reqs.get(request.request_id)
+                if st is not None:
+                    pins, st.pins = st.pins, []
+                    self.index.unpin(pins)
+            raise
+
+    def _after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         req_id = request.request_id
         self.handover.admitted(req_id, blocks, num_external > 0)
         st = self._reqs.get(req_id)
@@ -1036,6 +1053,19 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         return st.hit_source if st is not None else "cpu"
 
+    def worker_output(
+        self, reports: dict[int, WorkerReport], landed: dict[int, int], failed: Iterable[str]
+    ) -> None:
+        """A step's output from the workers, each part on its own: the failed loads first
+        (a request not marked would be offered the same failing hit after its recompute,
+        again and again), then each rank's report apart (a fault applying one costs that
+        report alone), then the stores landed."""
+        self.loads_failed(failed)
+        for rank, report in reports.items():
+            with self._caught(f"applying rank {rank}'s report"):
+                self.worker_reports({rank: report})
+        self.stores_landed(landed)
+
     def worker_reports(self, reports: dict[int, WorkerReport]) -> None:
         for rank, report in reports.items():
             # Failed reads from the probed tier: not asked about again for a while (a
@@ -1104,7 +1134,10 @@ class SchedulerSide:
         delay = False
         if st is not None:
             self._pin(st, [])
-            self._finish_tagged(st)  # may store (and pin) its last chunks and state: first
+            # May store (and pin) its last chunks and state: first. Its fault costs those
+            # stores alone: the request's state is gone, so pins left now stay for good.
+            with self._caught("storing a finished request's last chunks and state"):
+                self._finish_tagged(st)
             self.index.unpin(st.owned)
             self.index.unpin(st.staged)
             if self.below:  # its last decode-time state, in CPU memory only until now

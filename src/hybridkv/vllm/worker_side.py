@@ -305,9 +305,15 @@ class WorkerSide:
             self._land()
             if meta.orders.clear:
                 self._clear()
-            self.name(meta)
         finally:
-            self.load(meta)
+            self.name(meta)  # catches its own faults (after a failed guard: reports lost)
+            try:
+                self.load(meta)
+            finally:
+                # Whatever failed above: the index waits for these promotions' results.
+                self._submit_promotions(meta)
+
+    def _submit_promotions(self, meta: HybridKVMetadata) -> None:
         if meta.orders.promote:
             with self._lock:
                 self._promoting.update(key for key, _ in meta.orders.promote)
@@ -484,7 +490,16 @@ class WorkerSide:
                 with self._lock:
                     self.stats.failed_promotions += len(items) - start
                 return
-            self._promote_slice(epoch, items[start : start + PROMOTE_SLICE_ENTRIES])
+            chunk = items[start : start + PROMOTE_SLICE_ENTRIES]
+            try:
+                self._promote_slice(epoch, chunk)
+            except Exception:  # the index waits for each key's result: report them failed
+                log.exception("hybridkv: promoting %d entries failed", len(chunk))
+                with self._lock:
+                    unread = [key for key, _ in chunk if key in self._promoting]
+                    self._promoting.difference_update(unread)
+                    self._report.promoted.extend((epoch, key, False) for key in unread)
+                    self.stats.failed_promotions += len(unread)
 
     def _promote_slice(self, epoch: int, items: list[tuple[bytes, str]]) -> None:
         """One slice, one batch per tier. Disk and Redis check each entry (size,
@@ -687,6 +702,8 @@ class WorkerSide:
         if self._idle and self._promotions:
             wait(self._promotions, timeout=IDLE_WAIT_SECONDS)
         disk = self.store.disk
+        if disk is not None:  # before the report is taken: a fault here loses none of it
+            disk.rescan_if_stale()
         down = [tier.name for tier in self.store.tiers if not tier.up]
         with self._lock:
             report, self._report = self._report, WorkerReport()
@@ -695,8 +712,6 @@ class WorkerSide:
                 report.disk.extend(disk.take_changes())
         if down != self._reported_down:
             report.down = self._reported_down = down
-        if disk is not None:
-            disk.rescan_if_stale()
         return report
 
     # ---- metrics ------------------------------------------------------------------------------
