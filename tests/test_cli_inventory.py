@@ -526,6 +526,15 @@ def test_inspect_dot_from_inside_a_layout_directory(tmp_path, capsys, monkeypatc
     assert data["entries"] == 1, data
 
 
+def test_a_layout_directory_reached_through_a_link_named_by_its_fingerprint(tmp_path, capsys):
+    layout_dir = _one_layout(tmp_path / "real", bytes(range(16)))
+    moved = layout_dir.rename(tmp_path / "real" / "elsewhere")
+    link = tmp_path / layout_dir.name
+    link.symlink_to(moved)
+    rc, data = inspect_json(capsys, str(link))
+    assert rc == 0 and [lay["fingerprint"] for lay in data["layouts"]] == [layout_dir.name]
+
+
 def test_inspect_of_a_path_it_cannot_search_says_so(tmp_path, capsys, monkeypatch):
     """A parent this user may not search: a clear error, exit 2, no traceback. (The
     fault is injected: this suite runs as root.)"""

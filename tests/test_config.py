@@ -870,6 +870,11 @@ def test_effective_is_a_valid_config(tmp_path, extra):
         # a password holding '#', '?' or '/' ends the authority urllib parses
         ("redis://:S3cr#t@h:6379/0", "redis://:***@h:6379/0"),
         ("redis://u:a/b?c@h:6379/0", "redis://u:***@h:6379/0"),
+        ("redis://user:p@ss/word@host:6379", "redis://user:***@host:6379"),
+        # an '@' in the query: masked more than needed (only ever shown), never less
+        ("redis://host:6379/0?password=p@ss", "redis://host:***@ss"),
+        ("unix:///tmp/r.sock?password=x@y", "unix://***@y"),
+        ("redis://:p/w@h:1/0?password=x", "redis://:***@h:1/0?password=***"),
     ],
 )
 def test_mask_url(url, shown):

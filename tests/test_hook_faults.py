@@ -178,3 +178,31 @@ def test_a_fault_around_a_promotion_leaves_no_key_promoting(
     assert eng.side.index.gauges()["promoting"] == 0
     assert eng.side.index.ledger.held_bytes == 0
     assert starts[-1] > 0, starts  # the last request hit
+
+
+def test_a_fault_in_the_step_that_clears_still_clears(model_dir, monkeypatch, tmp_path):
+    """A reset orders the workers to clear once, in one step's metadata. A fault landing
+    stores at the start of that step skipped the clear for good while the new epoch's
+    work went on: the index and the workers' CPU memory disagreed (5 entries counted,
+    10 held) and the reset left this engine's stores in memory."""
+    eng = Engine(model_dir, False, seed=13, extra={"disk_path": str(tmp_path / "kv")})
+    eng.add("a", _prompt(40, 51), max_tokens=2)
+    eng.run()
+    held_before = set(eng.worker.store.cpu._entries)
+    assert held_before
+    begin = WorkerSide.begin_step
+    clearing = {"now": False}
+
+    def begin_step(self, meta):
+        clearing["now"] = meta.orders.clear
+        return begin(self, meta)
+
+    monkeypatch.setattr(WorkerSide, "begin_step", begin_step)
+    fault = injected(monkeypatch, WorkerSide, "_land", lambda *a: clearing["now"], 1)
+    assert eng.sched.connector.reset_cache()
+    eng.add("b", _prompt(40, 99), max_tokens=2)
+    eng.run()
+    assert fault["faults"] == 1
+    held = set(eng.worker.store.cpu._entries)
+    assert not held & held_before
+    assert len(held) == eng.side.index.gauges()["cpu_entries"]

@@ -78,5 +78,5 @@ def check_trace_spec(spec: str) -> None:
             f" got {spec!r}"
         )
     path = rest.partition(":")[0] if kind == "mooncake" else rest
-    if not os.path.isfile(path):
+    if not os.path.exists(path) or os.path.isdir(path):  # a pipe or <(zcat ...) reads too
         raise ValueError(f"trace: {spec!r} names no file ({path!r})")

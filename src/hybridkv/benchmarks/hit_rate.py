@@ -484,7 +484,9 @@ class HitRateSettings:
                 raise ValueError(f"systems: expected {SYSTEMS} or hybridkv@REV, got {name!r}")
         for spec in self.traces:
             check_trace_spec(spec)
-        for key in ("budgets_mib", "kv_cache_mib", "max_tokens", "in_flight", "limit"):
+        if self.limit is not None and self.limit < 0:  # 0: no limit
+            raise ValueError(f"limit: expected 0 or more requests, got {self.limit!r}")
+        for key in ("budgets_mib", "kv_cache_mib", "max_tokens", "in_flight"):
             value = getattr(self, key)
             if value is not None and any(
                 v <= 0 for v in (value if isinstance(value, list) else [value])
@@ -498,8 +500,10 @@ class HitRateSettings:
                 raise ValueError(f"{key}: {raw!r} is not JSON ({e})") from None
             if not isinstance(value, dict):
                 raise ValueError(f"{key}: expected a JSON object, got {value!r}")
-        try:  # hybridkv's settings fail now, not in its first engine, minutes in
-            HybridKVConfig.from_dict({"cpu_bytes": MIB, **json.loads(self.hybridkv_extra)}, env={})
+        try:  # this tree's settings fail now, not in its first engine, minutes in
+            if "hybridkv" in self.systems:  # (hybridkv@REV's may differ)
+                extra = json.loads(self.hybridkv_extra)
+                HybridKVConfig.from_dict({"cpu_bytes": MIB, **extra}, env={})
         except ConfigError as e:
             raise ValueError(f"hybridkv_extra: {e}") from None
 

@@ -157,35 +157,38 @@ def _directory(value: str) -> str:
     return value
 
 
-def _mask_userinfo(userinfo: str) -> str:
-    user, colon, _ = userinfo.partition(":")
-    return f"{user}:***" if colon else userinfo
+def _masked_query(query: str) -> str:
+    """A URL's query with every `password=` value replaced by ***."""
+    if "password=" not in query.lower():
+        return query
+    pairs = parse_qsl(query, keep_blank_values=True)
+    return urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*")
 
 
 def mask_url(url: str) -> str:
-    """`url` with its password (user info or `?password=`) replaced by ***."""
+    """`url` with its password (user info or `?password=`) replaced by ***. Only ever
+    shown, so where the URL is ambiguous it masks more than needed, never less."""
     scheme, sep, rest = url.partition("://")
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparsable URL>"
     netloc = parts.netloc
-    if sep and "@" in rest and "@" not in netloc:
-        # A password holding '/', '?' or '#' ends the parsed authority early, so the
-        # parts miss the user info: mask up to the last '@' (more than needed at worst).
+    if sep and "@" in rest[len(netloc) :]:
+        # An '@' past the authority urllib found: a password holding '/', '?', '#' or
+        # '@' (each ends the authority early), or an '@' in the path or query. Mask
+        # everything up to the last '@' but a user name, and any password= after it.
         userinfo, _, after = rest.rpartition("@")
-        return f"{scheme}://{_mask_userinfo(userinfo)}@{after}"
-    if "@" not in netloc and "password=" not in parts.query.lower():
-        return url
+        user, colon, _ = userinfo.partition(":")
+        where, mark, query = after.partition("?")
+        return f"{scheme}://{user + ':***' if colon else '***'}@{where}{mark}{_masked_query(query)}"
     if "@" in netloc:
         userinfo, _, hostport = netloc.rpartition("@")
-        netloc = f"{_mask_userinfo(userinfo)}@{hostport}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode(
-            [(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*"
-        )
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{user}:***@{hostport}" if colon else netloc
+    elif "password=" not in parts.query.lower():
+        return url
+    query = _masked_query(parts.query)
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 

@@ -238,14 +238,13 @@ class DiskStore:
         holding layout.json; `.` from inside one too), else its subdirectories named by
         a fingerprint."""
         try:
-            itself = (
-                _FINGERPRINT_HEX.match(self.path.resolve().name)
-                and (self.path / LAYOUT_JSON).exists()
-            )
+            # By the name given (a link named by a fingerprint too), else by where it
+            # leads (`.` inside a layout directory).
+            named = self.path if _FINGERPRINT_HEX.match(self.path.name) else self.path.resolve()
+            if _FINGERPRINT_HEX.match(named.name) and (named / LAYOUT_JSON).exists():
+                return [named]
         except OSError as e:
             raise InventoryError(f"cannot read {self.path}: {e.strerror or e}") from None
-        if itself:
-            return [self.path.resolve()]  # named by its fingerprint, `.` too
         dirs = []
         try:
             children = sorted(os.scandir(self.path), key=lambda e: e.name)

@@ -1060,11 +1060,13 @@ class SchedulerSide:
         (a request not marked would be offered the same failing hit after its recompute,
         again and again), then each rank's report apart (a fault applying one costs that
         report alone), then the stores landed."""
-        self.loads_failed(failed)
+        with self._caught("marking failed loads"):
+            self.loads_failed(failed)
         for rank, report in reports.items():
             with self._caught(f"applying rank {rank}'s report"):
                 self.worker_reports({rank: report})
-        self.stores_landed(landed)
+        with self._caught("noting the stores landed"):
+            self.stores_landed(landed)
 
     def worker_reports(self, reports: dict[int, WorkerReport]) -> None:
         for rank, report in reports.items():

@@ -268,14 +268,14 @@ class WorkerSide:
         """Drop every entry not landed yet, and fail every restore reading one: what
         `_overtaken` does to the entries of blocks handed on, for all of them, in as few
         steps as can fail (a fault on the way to knowing which blocks were handed on)."""
-        self.stats.overtaken_entries += sum(
-            s.entry is not None for p in self._landing for s in p.items
-        )
+        ids = {id(e) for p in self._landing for e in p.hold if e is not None}
+        ids.update(id(e) for e, _ in self._staged.values() if e is not None)
+        self.stats.overtaken_entries += len(ids)
         for pending in self._landing:
             pending.items = [s._replace(entry=None) for s in pending.items]
         for tag, (_, landing) in self._staged.items():
             self._staged[tag] = (None, landing)
-        self._fail_restores([r for r in self._restores if r.sources])
+        self._fail_restores([r for r in self._restores if ids & r.sources.keys()])
 
     def _overtaken(self, ids: set[int]) -> None:
         """Drop the entries `ids` (by id()) wherever they wait: stores landing, tags,
@@ -303,15 +303,17 @@ class WorkerSide:
         try:
             self.guard(meta, hook=False)  # unless `handle_preemptions` did
             self._land()
-            if meta.orders.clear:
-                self._clear()
         finally:
-            self.name(meta)  # catches its own faults (after a failed guard: reports lost)
             try:
-                self.load(meta)
+                if meta.orders.clear:  # ordered once: the new epoch's work assumes it done
+                    self._clear()
             finally:
-                # Whatever failed above: the index waits for these promotions' results.
-                self._submit_promotions(meta)
+                self.name(meta)  # catches its own faults (after a failed guard: reports lost)
+                try:
+                    self.load(meta)
+                finally:
+                    # Whatever failed above: the index waits for these promotions' results.
+                    self._submit_promotions(meta)
 
     def _submit_promotions(self, meta: HybridKVMetadata) -> None:
         if meta.orders.promote:
@@ -496,6 +498,9 @@ class WorkerSide:
             except Exception:  # the index waits for each key's result: report them failed
                 log.exception("hybridkv: promoting %d entries failed", len(chunk))
                 with self._lock:
+                    if epoch != self.epoch:  # cleared since: a newer read of a key is not ours
+                        self.stats.failed_promotions += len(chunk)
+                        continue
                     unread = [key for key, _ in chunk if key in self._promoting]
                     self._promoting.difference_update(unread)
                     self._report.promoted.extend((epoch, key, False) for key in unread)
