@@ -517,8 +517,7 @@ class SchedulerSide:
                 self.stats.failed_plans += 1
                 st = self._reqs.get(request.request_id)
                 if st is not None:
-                    pins, st.pins = st.pins, []
-                    self.index.unpin(pins)
+                    self._pin(st, [])
             raise
 
     def _after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:

@@ -269,19 +269,20 @@ class WorkerSide:
         `_overtaken` does to the entries of blocks handed on, for all of them, in as few
         steps as can fail (a fault on the way to knowing which blocks were handed on)."""
         ids = {id(e) for p in self._landing for e in p.hold if e is not None}
+        ids.update(id(s.entry) for p in self._landing for s in p.items if s.entry is not None)
         ids.update(id(e) for e, _ in self._staged.values() if e is not None)
         self.stats.overtaken_entries += len(ids)
-        for pending in self._landing:
-            pending.items = [s._replace(entry=None) for s in pending.items]
-        for tag, (_, landing) in self._staged.items():
-            self._staged[tag] = (None, landing)
-        self._fail_restores([r for r in self._restores if ids & r.sources.keys()])
+        self._drop(ids)
 
     def _overtaken(self, ids: set[int]) -> None:
-        """Drop the entries `ids` (by id()) wherever they wait: stores landing, tags,
-        loads reading them."""
+        """The entries `ids` (by id()) lost their blocks in flight: drop them."""
         log.info("hybridkv: %d stored entries lost their blocks in flight; dropped", len(ids))
         self.stats.overtaken_entries += len(ids)
+        self._drop(ids)
+
+    def _drop(self, ids: set[int]) -> None:
+        """Drop the entries `ids` (by id()) wherever they wait: stores landing, tags,
+        loads reading them."""
         for pending in self._landing:
             pending.items = [
                 s._replace(entry=None) if s.entry is not None and id(s.entry) in ids else s
