@@ -182,12 +182,33 @@ def _serve(argv: list[str]) -> None:
     module as `__main__` (so the engine core, which vLLM spawns from an API server,
     imports it as the main module, as it would). MODULE is vLLM's API server or
     hybridkv's command line."""
+    from serving import FORK_ENGINE
+
     from hybridkv.server import API_SERVER
 
     served = (API_SERVER, "hybridkv.cli")
     if len(argv) < 3 or argv[1] != "-m" or argv[2] not in served:
         raise ValueError(f"the zygote serves only `python -m` of {served}: {argv[:3]}")
+    if os.environ.get(FORK_ENGINE) == "1":
+        _fork_engine_processes()
     forked.run_module(argv[2], argv[3:])
+
+
+def _fork_engine_processes() -> None:
+    """vLLM's CPU platform forces `spawn` for the engine core and the model worker, and
+    each spawned interpreter imports vLLM again (about 17 s apiece on the 2-core VM, most
+    of a server's start). Forked from this process, which has imported it, they start at
+    once; the layout (API server, engine core, model worker, each a process of its own)
+    is the same, and fork is what vLLM uses on a GPU, where no platform forces spawn."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    forcing = CpuPlatform.check_and_update_config.__func__
+
+    def then_fork(cls: type, vllm_config: object) -> None:
+        forcing(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(then_fork)
 
 
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:

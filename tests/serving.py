@@ -60,11 +60,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env() -> dict[str, str]:
+# Set in a server's environment when the suite's forked API server is to fork its engine
+# core and model worker too (tests/engine_proc.py reads it).
+FORK_ENGINE = "HYBRIDKV_TEST_FORK_ENGINE"
+
+
+def server_env(fork_engine: bool = False) -> dict[str, str]:
     """The server's environment: nothing downloaded, POST /reset_prefix_cache available.
     Processes are vLLM's defaults, as users run it: the API server, the engine core, and
-    (the CPU platform turns 'uni' into 'mp') the model worker, each in its own."""
+    (the CPU platform turns 'uni' into 'mp') the model worker, each in its own.
+    `fork_engine`: where the suite forks the API server (conftest), the engine core and
+    the worker are forked too rather than spawned (tests/engine_proc.py); set
+    HYBRIDKV_TEST_FORK_ENGINE=0 to spawn them everywhere."""
     env = dict(os.environ)
+    fork_engine = fork_engine and env.get(FORK_ENGINE) != "0"
     # The test process keeps its own engines in-process (tests/conftest.py); a server
     # inheriting that would run the model worker inside the engine core, a layout no
     # user of the server has.
@@ -73,6 +82,7 @@ def server_env() -> dict[str, str]:
         VLLM_SERVER_DEV_MODE="1",
         HF_HUB_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
+        **{FORK_ENGINE: "1" if fork_engine else "0"},
     )
     return env
 
@@ -408,23 +418,31 @@ def start_server(
     extra_args: tuple[str, ...] = (),
     timeout: float = 300,
     connector: bool = True,
+    fork_engine: bool = True,
 ) -> Server:
     """A server (`server_command`) on a free port, started by `launch`."""
     extra = {"cpu_bytes": "256MiB", **(extra_config or {})}
     port = free_port()
     cmd = server_command(model, port, extra, kv_cache_bytes, max_num_seqs, extra_args, connector)
-    return launch(cmd, model, port, log_path, timeout)
+    return launch(cmd, model, port, log_path, timeout, fork_engine)
 
 
-def launch(cmd: list[str], model: str, port: int, log_path: Path, timeout: float = 300) -> Server:
+def launch(
+    cmd: list[str],
+    model: str,
+    port: int,
+    log_path: Path,
+    timeout: float = 300,
+    fork_engine: bool = False,
+) -> Server:
     """Run a server command line (in a session of its own, output to `log_path`) and
     wait for /health on `port`; a start that fails is cleaned up and raises with the
-    log's tail."""
+    log's tail. `fork_engine`: see `server_env`."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = start_process(cmd, log.fileno(), server_env())
+        proc = start_process(cmd, log.fileno(), server_env(fork_engine))
     server = Server(model, port, log_path, proc, cmd)
     try:
         server.wait_healthy(timeout)

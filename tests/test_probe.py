@@ -9,6 +9,7 @@ import time
 
 import pytest
 from conftest import Clock
+from redis_servers import redis_server, require_redis
 
 from hybridkv.core import probe as probe_module
 from hybridkv.core.probe import Probe
@@ -64,6 +65,32 @@ def test_answers_lapse_and_failed_reads_count_as_absent(clock):
     clock.now += 0.06
     assert probe.held([b"a"])[1]  # lapsed: asked again
     assert wait_answered(probe, [b"a"]) == [b"a"]
+
+
+def test_a_key_whose_reads_keep_failing_is_held_off_longer_each_time(clock):
+    """The tier says it holds the key (rank 0's copy), yet every read fails (another
+    rank's copy is missing, or the value is under another integrity key, and nothing
+    rewrites it): each failure doubles the time it counts as absent, up to a bound,
+    rather than cost a failing promotion every `ttl_s`; a reset starts over."""
+    probe = Probe("redis", lambda keys: [True] * len(keys), ttl_s=1.0)
+    holds = []
+    for _ in range(12):
+        assert wait_answered(probe, [b"a"]) == [b"a"]
+        probe.failed(b"a")
+        held_off = 0.0
+        while not probe.held([b"a"])[1]:  # absent, not asked again, until it lapses
+            clock.now += 0.5
+            held_off += 0.5
+        holds.append(held_off)
+    limit = probe_module.FAILED_MAX_HOLD_OFF
+    for n, h in enumerate(holds):
+        assert min(2.0**n, limit) <= h <= min(2.0**n, limit) + 0.5, holds
+    probe.clear()
+    assert wait_answered(probe, [b"a"]) == [b"a"]
+    probe.failed(b"a")
+    clock.now += 1.01
+    assert probe.held([b"a"])[1]
+    probe.close()
 
 
 def test_lapsed_answers_are_forgotten_and_fresh_ones_kept(clock):
@@ -180,3 +207,26 @@ def test_answers_no_lookup_read_for_long_are_dropped_unread(clock):
     _landed(probe, 1)
     clock.now += probe_module.LANDED_MAX_AGE + 1
     assert probe.held([b"a"]) == ([], True)
+
+
+def test_the_engines_shutdown_releases_the_probes_redis_client(tmp_path_factory):
+    """vLLM's `Scheduler.shutdown` (the engine core's, at exit) reaches the probe: its
+    round-trip thread and its Redis tier's threads and connections end, rather than
+    outlive every engine an `LLM` or a test built in one process."""
+    require_redis()
+    from test_async_scheduling import Engine, _prompt, config_dir
+
+    def redis_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("hybridkv-")}
+
+    before = redis_threads()
+    with redis_server() as server:
+        extra = {"redis_url": server.url, "redis_timeout_ms": 500}
+        eng = Engine(config_dir(tmp_path_factory), False, seed=3, extra=extra)
+        eng.add("a", _prompt(40, 7), max_tokens=2)
+        eng.run()
+        assert eng.side.probe is not None and eng.side.probe.round_trips >= 1
+        assert redis_threads() - before
+        eng.sched.shutdown()
+        eng.worker_conn.shutdown()
+        assert not {t for t in redis_threads() - before if t.is_alive()}

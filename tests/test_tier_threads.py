@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -244,3 +245,44 @@ def test_an_entry_deleted_while_its_file_is_written_never_comes_back(make_tier, 
     assert not pause.starved
     assert entry_names(tier.dir) == ([], []) and tier.stats().entries == 0
     assert tmp_files(tier.dir) == []
+
+
+def test_closing_stops_a_rescan_under_way(make_tier, monkeypatch):
+    """A rescan of a large or network directory can take longer than vLLM lets a worker
+    shut down (a few seconds, then a kill): `close` waited for the whole scan, and the
+    Redis tier and vLLM's own teardown after it were cut off. Now the scan stops at the
+    next file once the tier closes, and swaps nothing in."""
+    nbytes, n = 100, 50
+    tier = make_tier()
+    put_all(tier, {key(i): payload(i, nbytes) for i in range(n)})
+    tier.rescan_seconds = 0.0  # after the puts: the next call starts a scan
+    real_scan = disk_module.scan_layout_dir
+    entered = threading.Event()
+    after_close = {"files": 0}
+
+    def scan_layout_dir(path):
+        for i, e in enumerate(real_scan(path)):
+            if i == 1:
+                entered.set()
+                deadline = time.monotonic() + RELEASE_SECONDS  # only against a hang
+                while not tier._closed and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            if tier._closed:
+                after_close["files"] += 1
+            yield e
+
+    monkeypatch.setattr(disk_module, "scan_layout_dir", scan_layout_dir)
+    swapped = {"index": 0}
+    real_index = disk_module._JournaledIndex
+
+    class CountingIndex(real_index):
+        def __init__(self, *args: Any, **kwargs: Any):
+            swapped["index"] += bool(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(disk_module, "_JournaledIndex", CountingIndex)
+    tier.rescan_if_stale()
+    assert entered.wait(RELEASE_SECONDS)
+    tier.close()
+    assert after_close["files"] == 1  # the one asked for as it closed; no more
+    assert swapped["index"] == 0

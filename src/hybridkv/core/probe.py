@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 # The oldest a round trip's answers may be when a lookup first reads them: a step as
 # long as this is far beyond a long prefill on a CPU.
 LANDED_MAX_AGE = 60.0
+# The longest a key whose reads keep failing is taken as absent, and how many such keys
+# are remembered (about 100 bytes each).
+FAILED_MAX_HOLD_OFF = 600.0
+FAILURES_KEPT = 1 << 16
 
 
 class Probe:
@@ -40,9 +44,13 @@ class Probe:
         name: str,
         contains_many: Callable[[Sequence[bytes]], list[bool]],
         ttl_s: float = 5.0,
+        release: Callable[[], None] | None = None,
     ):
+        """`release`: what `close` calls once no round trip is out (the client's own
+        close: its connections and threads)."""
         self.name = name
         self._contains_many = contains_many
+        self._release = release
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         # Held or not, per key, until the answer lapses; lapsed answers go oldest first,
@@ -52,6 +60,7 @@ class Probe:
         # Answers back, no lookup since: key -> (held, when it came back).
         self._landed: dict[bytes, tuple[bool, float]] = {}
         self._epoch = 0  # advanced by `clear`: a round trip asked before lands nothing
+        self._failures: dict[bytes, int] = {}  # key -> failed reads (see `failed`)
         self._asking: set[bytes] = set()  # keys of the round trip out
         self._waiting = 0  # lookups whose keys are in `_wanted`
         self._sending = False  # a round trip is out (or about to be)
@@ -121,11 +130,18 @@ class Probe:
                     return
 
     def failed(self, key: bytes) -> None:
-        """A read of `key` failed (damaged, gone): treat it as absent until the answer
-        would have lapsed, rather than have the lookup retry it every step."""
+        """A read of `key` failed (damaged, gone, or held for rank 0 only, whose copy is
+        the one asked about): treat it as absent, for twice as long at each failure in a
+        row (up to FAILED_MAX_HOLD_OFF), rather than have the lookup retry it every step,
+        or have every lookup after an answer lapses pay a promotion that fails again for
+        an entry nothing rewrites."""
         with self._lock:
             self._landed.pop(key, None)
-            self._answers.put(key, time.monotonic() + self.ttl_s, False)
+            if len(self._failures) >= FAILURES_KEPT and key not in self._failures:
+                self._failures.clear()  # bounded: forgetting only shortens a hold-off
+            n = self._failures[key] = self._failures.get(key, 0) + 1
+            hold_off = min(self.ttl_s * 2 ** (n - 1), FAILED_MAX_HOLD_OFF)
+            self._answers.put(key, time.monotonic() + hold_off, False)
 
     def clear(self) -> None:
         """Forget every answer (a reset of the engine's view): the next lookups ask anew,
@@ -133,7 +149,15 @@ class Probe:
         with self._lock:
             self._answers.clear()
             self._landed = {}
+            self._failures = {}
             self._epoch += 1
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """At the engine's shutdown: no round trip starts any more, the one out (bounded
+        by the client's timeout) ends, then the client is released."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._release is not None:
+            try:
+                self._release()
+            except Exception:  # a tier must never raise into the engine
+                log.exception("hybridkv: closing the %s tier's probe failed", self.name)

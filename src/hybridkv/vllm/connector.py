@@ -264,7 +264,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
             if self.config.redis is not None:
                 # Other replicas write to it: ask it (rank 0's entries stand for all).
                 client = redis_tier(self.config, self.config.redis, self.layout.fingerprint)
-                probe = Probe("redis", client.contains_many)
+                probe = Probe("redis", client.contains_many, release=client.close)
             self.scheduler_side = SchedulerSide(
                 self.layout,
                 self.planner,
@@ -508,9 +508,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- both --------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """A worker finishes its queued disk writes; the metrics server stops."""
+        """A worker finishes its queued disk writes; the scheduler side's probe releases
+        its Redis client (connections, threads); the metrics server stops."""
         if self.worker_side is not None:
             self.worker_side.close()
+        if self.scheduler_side is not None and self.scheduler_side.probe is not None:
+            self.scheduler_side.probe.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None

@@ -164,6 +164,10 @@ def discard(path: str | os.PathLike, file_id: tuple[int, int] | None = None) -> 
         return False
 
 
+class _Closing(Exception):
+    """The tier closed during a rescan: the scan stops and nothing is swapped in."""
+
+
 class _JournaledIndex(LruMap):
     """The tier's index (key -> file bytes, least recently used first; native, no Python
     object per file: core/linked_keys.py) that also notes
@@ -401,9 +405,11 @@ class DiskTier(QueuedTier):
                 new = _JournaledIndex((key, size) for _, key, size in found)
                 keys = set(new)
                 used = sum(size for _, _, size in found)
-            except BaseException:
+            except BaseException as e:
                 with self._lock:
                     self._index.log = None
+                if isinstance(e, _Closing):
+                    return
                 raise
             with self._lock:
                 old = self._index
@@ -429,11 +435,15 @@ class DiskTier(QueuedTier):
 
     def _scan(self) -> tuple[list[tuple[int, bytes, int]], dict[bytes, tuple[int, int]]]:
         """The entry files in the directory, (mtime, key, bytes) oldest first, and the
-        unusable ones still kept (see `_kept`); removes leftover temporary files."""
+        unusable ones still kept (see `_kept`); removes leftover temporary files. Stops
+        (`_Closing`) once the tier closes: a scan of a large or network directory must not
+        hold up the engine's shutdown, which vLLM cuts short after a few seconds."""
         found: list[tuple[int, bytes, int]] = []
         kept: dict[bytes, tuple[int, int]] = {}
         now = time.time()
         for e in scan_layout_dir(self.dir):
+            if self._closed:
+                raise _Closing
             try:
                 if (key := entry_key(e.name)) is not None:
                     if e.is_file(follow_symlinks=False):
