@@ -189,7 +189,7 @@ def _serve(argv: list[str]) -> None:
     served = (API_SERVER, "hybridkv.cli")
     if len(argv) < 3 or argv[1] != "-m" or argv[2] not in served:
         raise ValueError(f"the zygote serves only `python -m` of {served}: {argv[:3]}")
-    if os.environ.get(FORK_ENGINE) == "1":
+    if argv[2] == API_SERVER and os.environ.get(FORK_ENGINE) == "1":
         _fork_engine_processes()
     forked.run_module(argv[2], argv[3:])
 
@@ -199,7 +199,12 @@ def _fork_engine_processes() -> None:
     each spawned interpreter imports vLLM again (about 17 s apiece on the 2-core VM, most
     of a server's start). Forked from this process, which has imported it, they start at
     once; the layout (API server, engine core, model worker, each a process of its own)
-    is the same, and fork is what vLLM uses on a GPU, where no platform forces spawn."""
+    is the same, and fork is what vLLM uses on a GPU, where no platform forces spawn.
+    What differs from spawn: the processes share this one's hash seed, miss the
+    platform's LD_PRELOAD (torch's libgomp, tcmalloc: it applies to exec'd children
+    only), and end with `os._exit`, so exit hooks (the tiers' fallback drain) do not
+    run; vLLM's own shutdown calls still do. Hence some servers stay spawned
+    (test_server.SPAWNED, `hybridkv serve`'s test)."""
     from vllm.platforms.cpu import CpuPlatform
 
     forcing = CpuPlatform.check_and_update_config.__func__

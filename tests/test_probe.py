@@ -70,26 +70,34 @@ def test_answers_lapse_and_failed_reads_count_as_absent(clock):
 def test_a_key_whose_reads_keep_failing_is_held_off_longer_each_time(clock):
     """The tier says it holds the key (rank 0's copy), yet every read fails (another
     rank's copy is missing, or the value is under another integrity key, and nothing
-    rewrites it): each failure doubles the time it counts as absent, up to a bound,
-    rather than cost a failing promotion every `ttl_s`; a reset starts over."""
+    rewrites it): each failure soon after the last hold-off doubles the time it counts
+    as absent, up to a bound, rather than cost a failing promotion every `ttl_s`. A
+    failure long after the last (a brief outage) starts over, as does a reset."""
     probe = Probe("redis", lambda keys: [True] * len(keys), ttl_s=1.0)
-    holds = []
-    for _ in range(12):
+    limit = probe_module.FAILED_MAX_HOLD_OFF
+
+    def hold_off() -> float:
+        """Fail a read of the key the tier claims; how long it then counts as absent
+        (to the half second after: lapsing at or just past its end)."""
         assert wait_answered(probe, [b"a"]) == [b"a"]
         probe.failed(b"a")
-        held_off = 0.0
+        held = 0.0
         while not probe.held([b"a"])[1]:  # absent, not asked again, until it lapses
             clock.now += 0.5
-            held_off += 0.5
-        holds.append(held_off)
-    limit = probe_module.FAILED_MAX_HOLD_OFF
+            held += 0.5
+        return held
+
+    holds = [hold_off() for _ in range(12)]
     for n, h in enumerate(holds):
         assert min(2.0**n, limit) <= h <= min(2.0**n, limit) + 0.5, holds
+    clock.now += 2 * limit  # long after the last hold-off ended
+    assert hold_off() <= 1.5
+    assert hold_off() >= 2.0
     probe.clear()
-    assert wait_answered(probe, [b"a"]) == [b"a"]
-    probe.failed(b"a")
-    clock.now += 1.01
-    assert probe.held([b"a"])[1]
+    assert hold_off() <= 1.5
+    # Days of failures in a row: the count grows past what a float's exponent holds.
+    probe._failures[b"a"] = (5000, clock.now, limit)
+    assert limit <= hold_off() <= limit + 0.5
     probe.close()
 
 
@@ -217,7 +225,8 @@ def test_the_engines_shutdown_releases_the_probes_redis_client(tmp_path_factory)
     from test_async_scheduling import Engine, _prompt, config_dir
 
     def redis_threads() -> set[threading.Thread]:
-        return {t for t in threading.enumerate() if t.name.startswith("hybridkv-")}
+        names = ("hybridkv-redis", "hybridkv-probe")
+        return {t for t in threading.enumerate() if t.name.startswith(names)}
 
     before = redis_threads()
     with redis_server() as server:

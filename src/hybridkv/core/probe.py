@@ -60,7 +60,8 @@ class Probe:
         # Answers back, no lookup since: key -> (held, when it came back).
         self._landed: dict[bytes, tuple[bool, float]] = {}
         self._epoch = 0  # advanced by `clear`: a round trip asked before lands nothing
-        self._failures: dict[bytes, int] = {}  # key -> failed reads (see `failed`)
+        # key -> (failures in a row, when its hold-off ends, how long it is): `failed`
+        self._failures: dict[bytes, tuple[int, float, float]] = {}
         self._asking: set[bytes] = set()  # keys of the round trip out
         self._waiting = 0  # lookups whose keys are in `_wanted`
         self._sending = False  # a round trip is out (or about to be)
@@ -131,17 +132,23 @@ class Probe:
 
     def failed(self, key: bytes) -> None:
         """A read of `key` failed (damaged, gone, or held for rank 0 only, whose copy is
-        the one asked about): treat it as absent, for twice as long at each failure in a
-        row (up to FAILED_MAX_HOLD_OFF), rather than have the lookup retry it every step,
-        or have every lookup after an answer lapses pay a promotion that fails again for
-        an entry nothing rewrites."""
+        the one asked about): treat it as absent for a while rather than have the lookup
+        retry it every step. A key that fails again soon after its hold-off ended (within
+        as long again) is held off twice as long, up to FAILED_MAX_HOLD_OFF, so that an
+        entry nothing rewrites does not cost a failing promotion every `ttl_s`; one that
+        fails again only much later (a brief outage hours apart) starts over at `ttl_s`."""
         with self._lock:
             self._landed.pop(key, None)
-            if len(self._failures) >= FAILURES_KEPT and key not in self._failures:
+            now = time.monotonic()
+            n, until, hold_off = self._failures.pop(key, (0, now, 0.0))
+            if now > until + hold_off:
+                n = 0
+            if len(self._failures) >= FAILURES_KEPT:
                 self._failures.clear()  # bounded: forgetting only shortens a hold-off
-            n = self._failures[key] = self._failures.get(key, 0) + 1
-            hold_off = min(self.ttl_s * 2 ** (n - 1), FAILED_MAX_HOLD_OFF)
-            self._answers.put(key, time.monotonic() + hold_off, False)
+            n += 1
+            hold_off = min(self.ttl_s * 2.0 ** min(n - 1, 30), FAILED_MAX_HOLD_OFF)
+            self._failures[key] = (n, now + hold_off, hold_off)
+            self._answers.put(key, now + hold_off, False)
 
     def clear(self) -> None:
         """Forget every answer (a reset of the engine's view): the next lookups ask anew,

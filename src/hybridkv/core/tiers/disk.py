@@ -414,6 +414,8 @@ class DiskTier(QueuedTier):
             with self._lock:
                 old = self._index
                 log, old.log = old.log or {}, None
+                if self._closed:
+                    return
                 # What changed while the directory was read; files handed to an unlink.
                 for key, size in log.items():
                     used -= new.pop(key, 0)
