@@ -267,7 +267,10 @@ class SchedulerSide:
         if not self.enabled:
             return 0
         st = self._state(request)
-        if st.ctx is None or st.load_failed:
+        if st.ctx is None or st.load_failed or request.skip_reading_prefix_cache:
+            # vLLM discards any hit of a request that reads no prefix cache (prompt
+            # logprobs: a restored prefix has none), after asking: a lookup would only
+            # order promotions (CPU room, reads) and count a hit that never happens.
             return 0
         if not self.index.ready() and time.monotonic() - self._started < PROMOTE_WAIT_SECONDS:
             self.stats.waits += 1
