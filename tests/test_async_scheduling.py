@@ -412,6 +412,16 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(1, 2000) for _ in range(n)]
 
 
+def stored_on_disk(model_dir, disk: dict) -> list[int]:
+    """A 40-token prompt a first engine stored with the hybridkv settings `disk` (a disk
+    tier), its worker closed: an engine started on the same disk finds it there only."""
+    first = Engine(model_dir, False, seed=13, extra=disk)
+    a = first.add("a", _prompt(40, 51), max_tokens=2)
+    first.run()
+    first.worker.close()
+    return list(a.prompt_token_ids)
+
+
 def next_turn_restores_64(eng: Engine, a) -> None:
     """The next turn: a's conversation so far (64 tokens computed) plus 10. vLLM's own
     cache is dropped, so the 64 tokens come from hybridkv (the decode-end state and four

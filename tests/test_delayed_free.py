@@ -260,3 +260,35 @@ def test_a_request_aborted_while_its_load_is_in_flight_is_freed_by_the_load_alon
     assert "b" not in eng.sched.requests and b.num_output_tokens == 0
     eng.check_entries()
     eng.check_settled()
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_an_aborted_requests_load_stops_writing_and_frees_its_blocks(model_dir, async_scheduling):
+    """A load writes one entry a step (`load_step_bytes`); its request is aborted after
+    the first. vLLM keeps the blocks until the load is reported, so a load that went on
+    writing (up to 64 MiB a step, a long prompt's restore for dozens of steps) held them,
+    and every load queued behind it, for nothing. Now the rest is not written and the
+    load is reported at once: received, neither a load served nor a failed one."""
+    from vllm.v1.request import RequestStatus
+
+    eng = Engine(model_dir, async_scheduling, seed=19)
+    a = eng.add("a", _prompt(40, 71), max_tokens=2)
+    eng.run()
+    assert eng.sched.reset_prefix_cache()
+    eng.worker.load_step_bytes = ATTN_PAGE  # one entry a step
+    stats = eng.worker.stats
+    loads, failed = stats.loads, stats.failed_loads
+    b = eng.add("b", list(a.prompt_token_ids), max_tokens=3)
+    eng.run(until=lambda: stats.loaded_blocks > 0)
+    written, left = stats.loaded_blocks, len(eng.worker._restores[0].pending)
+    assert left >= 3, "too few entries left to tell"
+    eng.sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    for _ in range(2):
+        eng.step()
+    assert "b" not in eng.sched.requests and not held_blocks(eng, "b")
+    # The step that learns of the abort starts its batch first: one entry at most.
+    assert stats.loaded_blocks - written <= 1 and eng.worker.restoring == 0
+    assert (stats.loads, stats.failed_loads) == (loads, failed)
+    assert b.num_output_tokens == 0
+    eng.run()
+    eng.check_entries()

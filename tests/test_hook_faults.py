@@ -12,7 +12,7 @@ cannot be caused any other way.
 from __future__ import annotations
 
 import pytest
-from test_async_scheduling import C, Engine, _prompt, config_dir
+from test_async_scheduling import C, Engine, _prompt, config_dir, stored_on_disk
 
 import hybridkv.vllm.scheduler_side as scheduler_side
 from hybridkv.core.index import StoreIndex
@@ -141,11 +141,7 @@ def test_a_fault_around_a_promotion_leaves_no_key_promoting(
     requests hit."""
     monkeypatch.setattr(scheduler_side, "PROMOTE_WAIT_SECONDS", 2.0)  # a regression's cost
     disk = {"disk_path": str(tmp_path / "kv")}
-    first = Engine(model_dir, False, seed=13, extra=disk)
-    a = first.add("a", _prompt(40, 51), max_tokens=2)
-    first.run()
-    first.worker.close()
-    prompt = list(a.prompt_token_ids)
+    prompt = stored_on_disk(model_dir, disk)
 
     eng = Engine(model_dir, False, seed=13, extra=disk)
     if where == "start of step":

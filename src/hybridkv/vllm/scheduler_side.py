@@ -131,6 +131,7 @@ class _RequestState:
     # vLLM allocates for the request: a request vLLM cannot allocate for yet asks again
     # every step, and counting each answer would count its prompt again and again.
     answer: tuple[int, int, int, int, str] | None = None
+    junction: bool = False  # that lookup asked for a checkpoint (counted with it)
     tagged: list[_Tagged] = field(default_factory=list)  # gathered, not named yet
     drafted: bool = False  # has had speculative tokens: keyed on known tokens only
     # Attention chunks it stored, pinned until it finishes (with recurrent groups: they
@@ -294,12 +295,10 @@ class SchedulerSide:
         L = request.num_prompt_tokens
         keys = self._keys(st, L)
         # What vLLM serves itself is a use too: without it the shared head of every
-        # chain would age out of CPU memory while vLLM keeps hitting it.
-        index.touch(
-            self._wanted(
-                keys, 0, local_tokens // self.planner.chunk_tokens * self.planner.chunk_tokens
-            )
-        )
+        # chain would age out of CPU memory while vLLM keeps hitting it. (A resumed
+        # request's own hit may reach output chunks never keyed here.)
+        C = self.planner.chunk_tokens
+        index.touch(self._wanted(keys, 0, min(local_tokens // C, len(keys)) * C))
         excluded: set[bytes] = set()
 
         if (
@@ -372,14 +371,14 @@ class SchedulerSide:
         served = max(boundary, local_tokens)
         reach = self._reach(keys, served, L)
         st.answer = (L, local_tokens, served, reach, tier)
-        if (
-            self._state_groups
+        st.junction = (
+            bool(self._state_groups)
             and self.policy is not None
             and max(served, request.shared_prefix_boundary) < reach
             and reach < self.policy.prompt_checkpoint(L)
-        ):
+        )
+        if st.junction:
             request.shared_prefix_boundary = reach
-            self.stats.junctions += 1
 
     def _probe(self, keys: list[bytes], local_tokens: int, num_prompt_tokens: int) -> bool:
         """Ask the shared tier about the prompt's entries CPU memory does not hold and
@@ -533,7 +532,8 @@ class SchedulerSide:
         st.loading = 0  # a load of its earlier admission is reported already
         if st.answer is not None:
             self._count_lookup(*st.answer)
-            st.answer = None
+            self.stats.junctions += st.junction
+            st.answer, st.junction = None, False
         hit, st.hit = st.hit, None
         if num_external == 0:
             self._pin(st, [])

@@ -125,6 +125,7 @@ class _Restore:
     # Entries read from stores still landing, by id(): the store each waits for.
     sources: dict[int, Landing] = field(default_factory=dict)
     failed: bool = False  # reported failed once its queued copies have landed
+    cancelled: bool = False  # its request finished: reported once its copies landed
 
 
 @dataclass
@@ -440,7 +441,9 @@ class WorkerSide:
                 broken.append(restore)
         for restore in done + broken:
             self._restores.remove(restore)
-            if restore.failed or restore in broken:
+            if restore.cancelled:
+                self._received.add(restore.req_id)  # vLLM frees the blocks, nothing more
+            elif restore.failed or restore in broken:
                 self._fail(restore.req_id)
             else:
                 self._received.add(restore.req_id)
@@ -760,9 +763,16 @@ class WorkerSide:
         """Loads finished since the last call: failed ones are received too (vLLM must
         release the request from its wait either way); and the requests vLLM delayed
         whose stores have all landed. `finished`: vLLM's requests finished since the
-        last step; their tags never named by now never will be, and are released."""
-        self._finish_loads()
+        last step; their tags never named by now never will be, and are released, and
+        their loads write no more (vLLM keeps an aborted request's blocks until its load
+        is reported: a restore writing on, a long prompt's for dozens of steps, would
+        hold them and every load queued behind it for nothing)."""
         finished = set(finished)
+        for restore in self._restores:
+            if restore.req_id in finished:
+                restore.cancelled = True
+                restore.pending = []
+        self._finish_loads()
         for req_id in finished:
             for tag in self._tags.pop(req_id, ()):
                 self._staged.pop(tag, None)
