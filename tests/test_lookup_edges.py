@@ -66,13 +66,16 @@ def test_a_resumed_requests_own_hit_past_its_keyed_chunks_is_a_plain_lookup(mode
     own cache may hold output blocks hybridkv never keyed (their store was dropped at the
     preemption). Marking vLLM's hit as a use read keys past the request's chain: an
     IndexError, a logged traceback and a hook error on every such lookup."""
+    from vllm.v1.request import RequestStatus
+
     eng = Engine(model_dir, False, seed=23)
     prompt = _prompt(40, 81)
     eng.add("a", prompt, max_tokens=2)
     eng.run()
     side = eng.side
     resumed = eng.add("r", prompt, max_tokens=60)
-    eng.sched.finish_requests("r", _aborted())  # only its state object is wanted
+    # Only its `Request` is wanted: vLLM re-looks-up a preempted one, outputs and all.
+    eng.sched.finish_requests("r", RequestStatus.FINISHED_ABORTED)
     for t in _prompt(40, 82):  # its output before the preemption, never keyed here
         resumed.append_output_token_ids(t)
     answer = side.num_new_matched_tokens(resumed, 64)  # vLLM's own hit: 4 chunks
@@ -104,9 +107,3 @@ def test_a_junction_is_counted_once_however_often_vllm_asks(model_dir):
     eng.run()
     assert sibling.is_finished() and eng.first_start["sib"] == 0
     assert side.stats.junctions == before + 1
-
-
-def _aborted():
-    from vllm.v1.request import RequestStatus
-
-    return RequestStatus.FINISHED_ABORTED

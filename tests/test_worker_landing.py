@@ -378,15 +378,35 @@ def test_a_delayed_request_is_reported_once_its_stores_have_landed_and_only_then
 
 
 def test_tags_never_named_are_released_when_their_request_ends(worker):
+    """At the start of the step whose `finished` names the request (after its names)."""
     ws, _, held = worker
     tagged = [TaggedCopy(7, EntryCopy(0, 0, (0,), (4,)))]
     ws.end_step(HybridKVMetadata(stores=[RequestStore("r", [], tagged)]))
     held[0].land()
     ws.report()
-    ws.transfer_results({"other"})
+    ws.begin_step(HybridKVMetadata(finished=["other"]))
     assert ws.staged_entries == 1
-    ws.transfer_results({"r"})
+    ws.begin_step(HybridKVMetadata(finished=["r"]))
     assert ws.staged_entries == 0
+
+
+def test_a_request_id_reused_in_the_step_after_its_end_keeps_the_new_requests_tags(worker):
+    """vLLM allows a finished request's id again (with its id randomization off): the
+    step that reports the old one finished may carry the new one's stores, and the end
+    of the old one must not take them (`transfer_results` used to, at the step's end:
+    the new request's tagged entries were dropped, its stores lost)."""
+    ws, _, held = worker
+    old = [TaggedCopy(7, EntryCopy(0, 0, (0,), (4,)))]
+    ws.end_step(HybridKVMetadata(stores=[RequestStore("r", [], old)]))
+    held[0].land()
+    ws.report()
+    ws.begin_step(HybridKVMetadata(finished=["r"]))
+    assert ws.staged_entries == 0
+    new = [TaggedCopy(8, EntryCopy(0, 0, (1,), (5,)))]
+    ws.end_step(HybridKVMetadata(stores=[RequestStore("r", [], new)]))
+    held[-1].land()
+    ws.transfer_results({"r"})  # vLLM's finished ids of this same step
+    assert ws.staged_entries == 1
 
 
 def test_a_store_whose_block_is_handed_over_holds_the_compute_stream_behind_it(worker):

@@ -77,6 +77,10 @@ class HybridKVMetadata(KVConnectorMetadata):
     # Requests finished since the last step whose blocks vLLM keeps until every rank
     # reports them in `finished_sending` (`request_finished` returned True).
     delayed: list[str] = field(default_factory=list)
+    # vLLM's requests finished since the last step (`finished_req_ids`): their loads stop
+    # and their tags go before this step's work, which may be a new request's under the
+    # same id.
+    finished: list[str] = field(default_factory=list)
     # Blocks this step's schedule handed to a request: the step's zeroing, state copies,
     # forward and hybridkv's loads write them, in the compute stream's order. A store
     # still reading one lands first or is dropped (vllm/handover.py, `WorkerSide.guard`).

@@ -578,6 +578,7 @@ class SchedulerSide:
         self._step += 1
         meta.step = self._step
         meta.delayed, self._delayed = self._delayed, []
+        meta.finished = list(out.finished_req_ids)
         meta.all_handed = True
         with self._caught("listing the blocks this step hands over"):
             meta.allocated_blocks, meta.foreign_blocks = self.handover.take(out)

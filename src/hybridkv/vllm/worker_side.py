@@ -312,10 +312,31 @@ class WorkerSide:
             finally:
                 self.name(meta)  # catches its own faults (after a failed guard: reports lost)
                 try:
+                    self._end_finished(meta.finished)  # after the names: theirs come last
                     self.load(meta)
                 finally:
                     # Whatever failed above: the index waits for these promotions' results.
                     self._submit_promotions(meta)
+
+    def _end_finished(self, finished: list[str]) -> None:
+        """Requests vLLM finished since the last step: their tags never named by now never
+        will be, and are released; their loads write no more (vLLM keeps an aborted
+        request's blocks until its load is reported: a restore writing on, a long
+        prompt's for dozens of steps, would hold them and every load queued behind it
+        for nothing), and are reported once what they queued has landed. After the
+        step's names (a finished request's last entries are named in the step after it
+        ends), before its loads and stores: a request id vLLM reuses is a new request's
+        from this step on."""
+        if not finished:
+            return
+        ended = set(finished)
+        for restore in self._restores:
+            if restore.req_id in ended:
+                restore.cancelled = True
+                restore.pending = []
+        for req_id in ended:
+            for tag in self._tags.pop(req_id, ()):
+                self._staged.pop(tag, None)
 
     def _submit_promotions(self, meta: HybridKVMetadata) -> None:
         if meta.orders.promote:
@@ -763,19 +784,8 @@ class WorkerSide:
         """Loads finished since the last call: failed ones are received too (vLLM must
         release the request from its wait either way); and the requests vLLM delayed
         whose stores have all landed. `finished`: vLLM's requests finished since the
-        last step; their tags never named by now never will be, and are released, and
-        their loads write no more (vLLM keeps an aborted request's blocks until its load
-        is reported: a restore writing on, a long prompt's for dozens of steps, would
-        hold them and every load queued behind it for nothing)."""
-        finished = set(finished)
-        for restore in self._restores:
-            if restore.req_id in finished:
-                restore.cancelled = True
-                restore.pending = []
+        last step (their loads and tags ended at the step's start: `_end_finished`)."""
         self._finish_loads()
-        for req_id in finished:
-            for tag in self._tags.pop(req_id, ()):
-                self._staged.pop(tag, None)
         sending = self.sending.finished(finished)
         out = TransferResults(self._received | self._failed, self._failed, sending)
         self._received, self._failed = set(), set()
