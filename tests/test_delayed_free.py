@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 from conftest import SEED
 from slow_copies import SlowCopies
-from test_async_scheduling import ATTN_PAGE, MODES, Engine, _prompt, config_dir
+from test_async_scheduling import ATTN_PAGE, MODES, C, Engine, _prompt, config_dir
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,66 @@ def test_a_finished_request_keeps_its_blocks_until_its_stores_land(
     assert eng.worker.stats.held_compute == 0 and eng.worker.stats.overtaken_entries == 0
     eng.check_entries()
     eng.check_settled()
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_a_running_request_waits_for_blocks_held_for_stores_instead_of_being_preempted(
+    model_dir, async_scheduling
+):
+    """A finished request's blocks are held for its stores in flight when a running one
+    needs a block and the pool has none free. vLLM asks the connector
+    (`has_pending_block_frees`) before it preempts: those blocks come back within a step
+    or two, so the running request waits for them rather than being preempted (its whole
+    context computed again: what happened here before hybridkv answered). Once the
+    copies land it gets its block and runs on."""
+    from vllm.v1.request import RequestStatus
+
+    from hybridkv.vllm.scheduler_side import FREE_WAIT_STEPS
+
+    eng = Engine(model_dir, async_scheduling, seed=5)
+    slow = SlowCopies(eng.worker.copies, lambda: eng.steps)
+    b = eng.add("b", _prompt(22, 32), max_tokens=200)
+    finish(eng, abort=False)
+    assert held_blocks(eng, "a") and slow.in_flight() > 0
+    pool = eng.sched.kv_cache_manager.block_pool
+    others = pool.get_new_blocks(pool.get_num_free_blocks())  # the pool's other users
+    asked = []
+    pending = eng.sched.connector.has_pending_block_frees
+    eng.sched.connector.has_pending_block_frees = lambda: asked.append(pending()) or asked[-1]
+    computed = b.num_computed_tokens
+    for _ in range(FREE_WAIT_STEPS // 2):  # b is a token or two short of a new block
+        eng.step()
+    assert True in asked, "b never needed a block"
+    assert b.num_preemptions == 0 and b.status == RequestStatus.RUNNING
+    assert b.num_computed_tokens - computed < C, "b ran past a block it did not get"
+    slow.land()
+    eng.copies_land = lambda step: slow.land()
+    eng.run(until=lambda: b.num_computed_tokens >= computed + 2 * C)
+    assert b.num_preemptions == 0 and "a" not in eng.sched.requests
+    pool.free_blocks(others)
+    eng.run()
+    eng.check_entries()
+    eng.check_settled()
+
+
+def test_a_hold_never_reported_stops_counting_as_frees_to_come(model_dir):
+    """A delayed request whose report never comes (a lost report) counts as frees to
+    come for `FREE_WAIT_STEPS` steps, then no more: vLLM preempts as without a connector."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from hybridkv.vllm.scheduler_side import FREE_WAIT_STEPS
+
+    eng = Engine(model_dir, False, seed=5)
+    side = eng.side
+    req = Request("x", _prompt(20, 33), SamplingParams(max_tokens=4), None)
+    side._state(req).stored_at = (0, side._step + 1)  # a store not landed yet
+    assert side.request_finished(req) and side.frees_pending()
+    for _ in range(FREE_WAIT_STEPS):
+        eng.sched.schedule()  # builds the step's metadata
+        assert side.frees_pending()
+    eng.sched.schedule()
+    assert not side.frees_pending() and not side._freeing
 
 
 @pytest.mark.parametrize("abort", [False, True], ids=["finished", "aborted"])

@@ -8,13 +8,15 @@ takes CPU room and a read), no lookup or hit counted. The prompt is stored on di
 first engine, so only the second engine's lookup could start promotions.
 
 A resumed request: looked up again over its output too, whose chunks hybridkv may never
-have keyed. A request vLLM cannot allocate for yet: asked again every step.
+have keyed, or has stored with its decode-time state. A request vLLM cannot allocate for
+yet: asked again every step.
 """
 
 from __future__ import annotations
 
 import pytest
-from test_async_scheduling import C, Engine, _prompt, config_dir, stored_on_disk
+from slow_copies import SlowCopies
+from test_async_scheduling import MODES, C, Engine, _prompt, config_dir, stored_on_disk
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +65,10 @@ def test_a_request_reading_no_cache_orders_no_promotion_and_counts_no_lookup(mod
 
 def test_a_resumed_requests_own_hit_past_its_keyed_chunks_is_a_plain_lookup(model_dir):
     """A preempted request is looked up again over its prompt and its output so far; vLLM's
-    own cache may hold output blocks hybridkv never keyed (their store was dropped at the
-    preemption). Marking vLLM's hit as a use read keys past the request's chain: an
-    IndexError, a logged traceback and a hook error on every such lookup."""
+    own cache may hold output blocks hybridkv never stored (their store was dropped at the
+    preemption). Marking vLLM's hit as a use read keys past the request's chain (the
+    lookup keyed the prompt alone): an IndexError, a logged traceback and a hook error on
+    every such lookup. Now the output is keyed too, and nothing stored there is a miss."""
     from vllm.v1.request import RequestStatus
 
     eng = Engine(model_dir, False, seed=23)
@@ -81,6 +84,80 @@ def test_a_resumed_requests_own_hit_past_its_keyed_chunks_is_a_plain_lookup(mode
     answer = side.num_new_matched_tokens(resumed, 64)  # vLLM's own hit: 4 chunks
     assert answer == 0 and side.stats.hook_errors == 0
     side.request_finished(resumed)
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_a_request_preempted_mid_decode_resumes_from_its_decode_time_state(
+    model_dir, async_scheduling
+):
+    """A long decode vLLM preempts (a pool too small for both requests: the later one
+    goes) is recomputed over its prompt and its output so far. Once vLLM's own cache has
+    lost its blocks to the other request, hybridkv restores it up to the last chunk
+    boundary short of its last token: its decode-time chunks and staged state, not the
+    prompt's checkpoint alone (32 tokens: the lookup used to stop at the prompt). The
+    fake runner checks every restored byte against the tokens it stands for."""
+    eng = Engine(model_dir, async_scheduling, seed=3, num_blocks=40)
+    side = eng.side
+    answers: list[tuple[int, int, int | None]] = []  # a's (tokens, vLLM's hit, hybridkv's)
+    lookup = side.num_new_matched_tokens
+
+    def recorded(request, local_tokens):
+        n = lookup(request, local_tokens)
+        if request.request_id == "a":
+            answers.append((request.num_tokens, local_tokens, n))
+        return n
+
+    side.num_new_matched_tokens = recorded
+    eng.add("hog", _prompt(60, 1), max_tokens=200)
+    a = eng.add("a", _prompt(40, 2), max_tokens=200)
+    eng.run(limit=3000)
+    assert a.num_preemptions == 1
+    resumed = [(t, local, n) for t, local, n in answers if t > 40]
+    tokens, local, n = resumed[-1]  # the answer vLLM allocated for
+    assert local == 0, "vLLM's own cache still held it: nothing to restore"
+    assert n == (tokens - 1) // C * C > 4 * C
+    assert side.stats.hit_tokens == n
+    eng.check_entries()
+    eng.check_settled()
+
+
+@pytest.mark.parametrize("async_scheduling", MODES)
+def test_a_request_resumed_with_its_stores_in_flight_waits_for_them(model_dir, async_scheduling):
+    """The same preemption with copies in flight, as on a GPU (held until the test lands
+    them), under Model Runner V2: vLLM hands the preempted request's blocks on before
+    their stores land, and V2 drops such stores (`WorkerSide.guard`). A lookup then would
+    plan a hit on entries already dropped but not yet reported lost: a failed load, and
+    the request recomputed from its first token (it was, before the lookup waited). It
+    waits until its stores have landed, when the index knows what was lost: no load
+    fails."""
+    eng = Engine(model_dir, async_scheduling, seed=3, num_blocks=40, runner="v2")
+    slow = SlowCopies(eng.worker.copies, lambda: eng.steps)
+    side = eng.side
+    answers: list[tuple[int, int, int | None]] = []
+    lookup = side.num_new_matched_tokens
+
+    def recorded(request, local_tokens):
+        n = lookup(request, local_tokens)
+        if request.request_id == "a" and request.num_preemptions:
+            answers.append((request.num_tokens, local_tokens, n))
+        return n
+
+    side.num_new_matched_tokens = recorded
+    eng.add("hog", _prompt(60, 1), max_tokens=200)
+    a = eng.add("a", _prompt(40, 2), max_tokens=200)
+    eng.run(until=lambda: any(local == 0 for _, local, _ in answers), limit=3000)
+    for _ in range(3):
+        eng.step()
+    assert slow.in_flight() > 0 and eng.worker.stats.overtaken_entries > 0
+    # While vLLM's own cache still held it all there was nothing to add (answered 0).
+    assert all(n is None for t, local, n in answers if local < (t - 1) // C * C), answers
+    slow.land()
+    eng.copies_land = lambda step: slow.land()
+    eng.run(limit=3000)
+    assert a.is_finished() and a.num_preemptions == 1
+    assert eng.worker.stats.failed_loads == 0
+    eng.check_entries()
+    eng.check_settled(lossy=True)
 
 
 def test_a_junction_is_counted_once_however_often_vllm_asks(model_dir):

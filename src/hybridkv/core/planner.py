@@ -75,9 +75,10 @@ class Planner:
     def entry_bytes(self, g: int) -> int:
         return self.blocks_per_entry(g) * self.groups[g].block_bytes
 
-    def max_hit_chunks(self, num_prompt_tokens: int) -> int:
-        """vLLM must compute at least the last prompt token, so a hit stops before it."""
-        return max(num_prompt_tokens - 1, 0) // self.chunk_tokens
+    def max_hit_chunks(self, num_tokens: int) -> int:
+        """vLLM must compute at least the last of a request's `num_tokens` (its prompt's,
+        or a resumed one's output token), so a hit stops before it."""
+        return max(num_tokens - 1, 0) // self.chunk_tokens
 
     # ---- what a hit at boundary B needs ------------------------------------------------
     def needed_blocks(self, g: int, local_tokens: int, boundary: int) -> range:
@@ -108,7 +109,7 @@ class Planner:
 
     def find_hit(
         self,
-        num_prompt_tokens: int,
+        num_tokens: int,
         local_tokens: int,
         present: Callable[[int, int], bool],
         run: Callable[[int, int, int], int] | None = None,
@@ -123,7 +124,7 @@ class Planner:
         hit count: the result is 0 or > `local_tokens`.
         """
         C = self.chunk_tokens
-        k_max = self.max_hit_chunks(num_prompt_tokens)
+        k_max = self.max_hit_chunks(num_tokens)
         k_min = local_tokens // C + 1  # smallest boundary beyond the local hit
         if k_max < k_min:
             return 0

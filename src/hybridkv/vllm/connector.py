@@ -354,7 +354,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         reports, landed = (
             (meta.reports, meta.landed) if isinstance(meta, HybridKVWorkerMeta) else ({}, {})
         )
-        self.scheduler_side.worker_output(reports, landed, connector_output.failed_recving or ())
+        self.scheduler_side.worker_output(
+            reports,
+            landed,
+            connector_output.failed_recving or (),
+            connector_output.finished_sending or (),
+        )
         stats = own_stats(connector_output.kv_connector_stats)
         if stats is not None:
             self._worker_report = metrics.merge(metrics.empty(), stats.data)
@@ -372,6 +377,13 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):
         """True while stores may still read the request's blocks: vLLM keeps them until
         every rank reports the request in `finished_sending` (`get_transfer_results`)."""
         return self.scheduler_side.request_finished(request), None
+
+    @_guarded(lambda: False)
+    def has_pending_block_frees(self) -> bool:
+        """Asked when vLLM cannot allocate for a running request: True while a finished
+        request's blocks, kept for its stores in flight (a GPU's), are about to be freed,
+        so vLLM waits a step instead of preempting a request (`frees_pending`)."""
+        return self.scheduler_side.frees_pending()
 
     @_guarded(list)
     def take_events(self) -> Iterable[KVCacheEvent]:

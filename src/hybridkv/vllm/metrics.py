@@ -68,9 +68,10 @@ METRICS: dict[str, tuple[type[PromMetric], str, str]] = {
     ),
     "hit_tokens": (
         Counter,
-        "Prompt tokens restored by hybridkv, beyond vLLM's own prefix-cache hit, counted "
-        "when vLLM allocates the hit; by tier as for lookups. Those whose load then "
-        "failed are counted again in failed_load_tokens.",
+        "Tokens restored by hybridkv (a prompt's; a resumed request's output too), "
+        "beyond vLLM's own prefix-cache hit, counted when vLLM allocates the hit; by "
+        "tier as for lookups. Those whose load then failed are counted again in "
+        "failed_load_tokens.",
         "each",
     ),
     "failed_load_tokens": (
@@ -95,13 +96,13 @@ METRICS: dict[str, tuple[type[PromMetric], str, str]] = {
     ),
     "miss_tokens": (
         Counter,
-        "Prompt tokens past vLLM's own hit and hybridkv's hit at each answered lookup "
+        "Tokens past vLLM's own hit and hybridkv's hit at each answered lookup "
         "(they are computed; short_of_state_tokens are among them); tier is none.",
         "none",
     ),
     "short_of_state_tokens": (
         Counter,
-        "Prompt tokens whose attention KV hybridkv held, past the hit it could serve, "
+        "Of those, tokens whose attention KV hybridkv held, past the hit it could serve, "
         "that no boundary with every recurrent state reached (so they were computed); "
         "tier is none. What a hybrid model loses for want of a state.",
         "none",

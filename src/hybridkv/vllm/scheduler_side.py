@@ -59,6 +59,11 @@ STATS_LOG_SECONDS = 10.0
 # A request waits this long at most for disk entries to reach CPU memory (or, at start,
 # for the workers' disk listings); then its hit is planned without them.
 PROMOTE_WAIT_SECONDS = 30.0
+# Blocks vLLM keeps for a finished request's stores in flight count as frees to come for
+# this many steps after the request finished (`frees_pending`). A store lands within a
+# step or two of it on a GPU; a report that never comes must not stop vLLM from
+# preempting for good.
+FREE_WAIT_STEPS = 8
 
 
 def _add(counts: dict[str, int], key: str, n: int) -> None:
@@ -74,7 +79,9 @@ class SchedulerStats:
     """Monotonic counters (they only ever grow)."""
 
     lookups: int = 0
-    queried_tokens: int = 0  # prompt tokens beyond vLLM's own hit, at each answered lookup
+    # Tokens beyond vLLM's own hit at each answered lookup: a prompt's, and a resumed
+    # request's output so far.
+    queried_tokens: int = 0
     hit_tokens: int = 0  # tokens loaded by hybridkv (a hit vLLM allocated)
     # The same by the tier a hit came from ("cpu", or the lower tier its entries were
     # promoted from; lookups: "none" for a miss), for the metrics.
@@ -87,8 +94,8 @@ class SchedulerStats:
     # the tier the hit came from.
     failed_load_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     hook_errors: int = 0  # exceptions caught at the connector boundary
-    # Prompt tokens past vLLM's own hit a lookup could not serve, by what stopped the hit
-    # (a cap, not a forecast: tokens at and past the prompt's last boundary never count):
+    # Queried tokens past vLLM's own hit a lookup could not serve, by what stopped the hit
+    # (a cap, not a forecast: tokens at and past the last boundary never count):
     short_of_chunks: int = 0  # the attention chunks stop there (never stored, or evicted)
     short_of_state: int = 0  # the chunks go further, but no boundary with every state does
     # Lookups that asked vLLM to checkpoint the state at the prompt's branch point.
@@ -114,8 +121,6 @@ class _RequestState:
     ctx: KeyContext | None
     keys: list[bytes] = field(default_factory=list)  # chain keys of full chunks seen so far
     stored_chunks: int = 0  # chunks [0, stored_chunks) are handled for attention stores
-    # `stored_chunks` before its load was planned: a failed load stores them again.
-    before_load: int = 0
     hit: tuple[int, int] | None = None  # (local tokens, boundary) of the reported hit
     hit_source: str = "cpu"  # the tier the reported hit came from
     loading: int = 0  # tokens of its planned load (counted in hit_tokens)
@@ -217,6 +222,9 @@ class SchedulerSide:
         # the next step's metadata; the blocks each schedule hands over; the steps built,
         # and by rank the newest whose stores have all landed.
         self._delayed: list[str] = []
+        # The delayed requests vLLM still holds, in the order they finished, with the
+        # step each finished in and the step of its newest store (`frees_pending`).
+        self._freeing: dict[str, tuple[int, int]] = {}
         self.handover = Handover([g.block_tokens for g in layout.groups])
         self._step = 0
         self._landed: dict[int, int] = {}
@@ -281,6 +289,24 @@ class SchedulerSide:
             st.waiting_since is not None
             and time.monotonic() - st.waiting_since > PROMOTE_WAIT_SECONDS
         )
+        C = self.planner.chunk_tokens
+        if (
+            st.stored_at is not None
+            and st.stored_at[0] < request.num_preemptions
+            and st.stored_at[1] > self._landed_through()
+            and local_tokens < self.planner.max_hit_chunks(request.num_tokens) * C
+            and not overdue
+        ):
+            # Resumed before the stores planned on its old blocks have landed: a hit now
+            # would read the very entries that may yet be lost (Model Runner V2 drops a
+            # store whose blocks vLLM handed on before it landed), a failed load and the
+            # whole context computed again. Once they have landed (a step or two on a
+            # GPU), the index knows what was lost. (Unless vLLM's own hit leaves nothing
+            # to add.)
+            if st.waiting_since is None:
+                st.waiting_since = time.monotonic()
+            self.stats.waits += 1
+            return None
         if (
             st.promoted_from is not None
             and st.waited_at == local_tokens
@@ -292,13 +318,14 @@ class SchedulerSide:
             # ~0.3 ms a request (a 32k-token prompt).
             self.stats.waits += 1
             return None
-        L = request.num_prompt_tokens
+        # A resumed (preempted) request is looked up over its output so far too: its
+        # decode-time chunks and staged state are stored under its chain like a prompt's,
+        # and vLLM recomputes the output as well (a long decode's most of all).
+        L = request.num_tokens
         keys = self._keys(st, L)
         # What vLLM serves itself is a use too: without it the shared head of every
-        # chain would age out of CPU memory while vLLM keeps hitting it. (A resumed
-        # request's own hit may reach output chunks never keyed here.)
-        C = self.planner.chunk_tokens
-        index.touch(self._wanted(keys, 0, min(local_tokens // C, len(keys)) * C))
+        # chain would age out of CPU memory while vLLM keeps hitting it.
+        index.touch(self._wanted(keys, 0, local_tokens // C * C))
         excluded: set[bytes] = set()
 
         if (
@@ -367,7 +394,7 @@ class SchedulerSide:
         `shared_prefix_boundary` (its own Marconi-style junction, which its local prefix
         cache sets the same way) and hands the state there off like a prompt's."""
         request = st.request
-        L = request.num_prompt_tokens
+        L = request.num_tokens
         served = max(boundary, local_tokens)
         reach = self._reach(keys, served, L)
         st.answer = (L, local_tokens, served, reach, tier)
@@ -375,13 +402,13 @@ class SchedulerSide:
             bool(self._state_groups)
             and self.policy is not None
             and max(served, request.shared_prefix_boundary) < reach
-            and reach < self.policy.prompt_checkpoint(L)
+            and reach < self.policy.prompt_checkpoint(request.num_prompt_tokens)
         )
         if st.junction:
             request.shared_prefix_boundary = reach
 
-    def _probe(self, keys: list[bytes], local_tokens: int, num_prompt_tokens: int) -> bool:
-        """Ask the shared tier about the prompt's entries CPU memory does not hold and
+    def _probe(self, keys: list[bytes], local_tokens: int, num_tokens: int) -> bool:
+        """Ask the shared tier about the request's entries CPU memory does not hold and
         no fresh answer covers (those on disk too: the load weights choose between the
         tiers); whether an answer is still out (the lookup then waits for it). The keys
         of every lookup of the step go out together, in one round trip (`build_meta`)."""
@@ -391,8 +418,8 @@ class SchedulerSide:
         # window chunks a later boundary needs overlap the ones this hit reads): ask about
         # the chunks from there on, not the whole prompt's. A conversation's next turn
         # then asks about its new message, not every state of its history.
-        first = max(local_tokens, self._hit_in(keys, num_prompt_tokens, local_tokens, None))
-        chunks = keys[first // C : self.planner.max_hit_chunks(num_prompt_tokens)]
+        first = max(local_tokens, self._hit_in(keys, num_tokens, local_tokens, None))
+        chunks = keys[first // C : self.planner.max_hit_chunks(num_tokens)]
         unknown = self.index.unknown_in(
             group_keys(chunks, len(self.layout.groups)), self.probe.name
         )
@@ -403,7 +430,7 @@ class SchedulerSide:
         return asking
 
     def _best_hit(
-        self, keys: list[bytes], num_prompt_tokens: int, local_tokens: int, excluded: set[bytes]
+        self, keys: list[bytes], num_tokens: int, local_tokens: int, excluded: set[bytes]
     ) -> tuple[int, str | None]:
         """The hit to plan, and the tier below CPU memory it is promoted from: of the
         hits each tier could serve (with what CPU memory holds), the one with the most
@@ -411,7 +438,7 @@ class SchedulerSide:
         best, best_tier, best_score = 0, None, 0.0
         tiers = [(t, w) for t, w in self.tiers if t not in self._tiers_down]
         for tier, weight in tiers or [(None, 1.0)]:
-            boundary = self._hit_in(keys, num_prompt_tokens, local_tokens, tier, excluded)
+            boundary = self._hit_in(keys, num_tokens, local_tokens, tier, excluded)
             if boundary * weight > best_score:
                 best, best_tier, best_score = boundary, tier, boundary * weight
         return best, best_tier
@@ -419,7 +446,7 @@ class SchedulerSide:
     def _hit_in(
         self,
         keys: list[bytes],
-        num_prompt_tokens: int,
+        num_tokens: int,
         local_tokens: int,
         tier: str | None,
         excluded: set[bytes] | frozenset[bytes] = frozenset(),
@@ -442,7 +469,7 @@ class SchedulerSide:
                 n = next((i for i, key in enumerate(wanted[:n]) if key in excluded), n)
             return n
 
-        return self.planner.find_hit(num_prompt_tokens, local_tokens, present, run)
+        return self.planner.find_hit(num_tokens, local_tokens, present, run)
 
     def _ready_or_coming(self, key: bytes, overdue: bool, tier: str | None) -> bool:
         """In CPU memory, or promoted there from `tier` (started now if need be) while
@@ -457,13 +484,13 @@ class SchedulerSide:
             key, self._entry_bytes(key), tier
         )
 
-    def _reach(self, keys: list[bytes], served: int, num_prompt_tokens: int) -> int:
-        """How far past `served` tokens the prompt's stored full-attention chunks run
-        without a gap (chunk-aligned, short of the prompt's last token): the prefix it
+    def _reach(self, keys: list[bytes], served: int, num_tokens: int) -> int:
+        """How far past `served` tokens the request's stored full-attention chunks run
+        without a gap (chunk-aligned, short of its last token): the prefix it
         shares with an earlier prompt, as far as the index knows. `served` without
         full-attention groups (nothing to measure a shared prefix by)."""
         C = self.planner.chunk_tokens
-        cap = self.planner.max_hit_chunks(num_prompt_tokens)
+        cap = self.planner.max_hit_chunks(num_tokens)
         attention = self._full_groups
         if not attention:
             return served
@@ -475,15 +502,15 @@ class SchedulerSide:
         return max(reach * C, served)
 
     def _count_lookup(
-        self, num_prompt_tokens: int, local_tokens: int, served: int, reach: int, tier: str
+        self, num_tokens: int, local_tokens: int, served: int, reach: int, tier: str
     ) -> None:
         """Count an answered lookup that served `served` tokens (vLLM's own and its hit
-        from `tier`) of a prompt whose stored chunks `reach` that far."""
+        from `tier`) of a request's `num_tokens` whose stored chunks `reach` that far."""
         self.stats.lookups += 1
         _add(self.stats.lookups_by_tier, tier, 1)
-        self.stats.queried_tokens += max(num_prompt_tokens - local_tokens, 0)
-        self.stats.miss_tokens += max(num_prompt_tokens - served, 0)
-        cap = self.planner.max_hit_chunks(num_prompt_tokens) * self.planner.chunk_tokens
+        self.stats.queried_tokens += max(num_tokens - local_tokens, 0)
+        self.stats.miss_tokens += max(num_tokens - served, 0)
+        cap = self.planner.max_hit_chunks(num_tokens) * self.planner.chunk_tokens
         self.stats.short_of_state += max(min(reach, cap) - served, 0)
         self.stats.short_of_chunks += max(cap - max(reach, served), 0)
 
@@ -560,7 +587,6 @@ class SchedulerSide:
         _add(self.stats.hit_tokens_by_tier, st.hit_source, num_external)
         st.loading = num_external
         # What was loaded is stored already (unless the load fails: `loads_failed`).
-        st.before_load = st.stored_chunks
         st.stored_chunks = max(st.stored_chunks, boundary // self.planner.chunk_tokens)
         self._observe(st, st.keys, [boundary])  # after a restart, disk entries are news
         if self._state_groups:  # last: its fault (caught at the hook) costs itself alone
@@ -1057,14 +1083,21 @@ class SchedulerSide:
         return st.hit_source if st is not None else "cpu"
 
     def worker_output(
-        self, reports: dict[int, WorkerReport], landed: dict[int, int], failed: Iterable[str]
+        self,
+        reports: dict[int, WorkerReport],
+        landed: dict[int, int],
+        failed: Iterable[str],
+        sent: Iterable[str] = (),
     ) -> None:
         """A step's output from the workers, each part on its own: the failed loads first
         (a request not marked would be offered the same failing hit after its recompute,
         again and again), then each rank's report apart (a fault applying one costs that
-        report alone), then the stores landed."""
+        report alone), then the stores landed, and the delayed requests every rank
+        reported (`sent`: vLLM frees their blocks now)."""
         with self._caught("marking failed loads"):
             self.loads_failed(failed)
+        for req_id in sent:
+            self._freeing.pop(req_id, None)
         for rank, report in reports.items():
             with self._caught(f"applying rank {rank}'s report"):
                 self.worker_reports({rank: report})
@@ -1110,15 +1143,16 @@ class SchedulerSide:
     def loads_failed(self, req_ids: Iterable[str]) -> None:
         """vLLM recomputes these requests: never offer them a hit again, so a fault that
         repeats cannot make a request loop (the workers report the entries they missed
-        as lost, which keeps other requests off them too), and store the chunks it
-        recomputes (the lost ones among them) as if nothing had been loaded."""
+        as lost, which keeps other requests off them too), and offer every chunk it
+        recomputes to the index again: it admits the lost ones and none it holds (a
+        resumed request's chunks from before its preemption may be among the lost)."""
         for req_id in req_ids:
             st = self._reqs.get(req_id)
             if st is not None:
                 _add(self.stats.failed_load_tokens_by_tier, st.hit_source, st.loading)
                 st.loading = 0
                 st.load_failed = True
-                st.stored_chunks = min(st.stored_chunks, st.before_load)
+                st.stored_chunks = 0
 
     def request_finished(self, request: Request) -> bool:
         """Forget the request and release its pins; whether vLLM must keep its blocks
@@ -1147,16 +1181,39 @@ class SchedulerSide:
             self.index.unpin(st.staged)
             if self.below:  # its last decode-time state, in CPU memory only until now
                 self.index.persist(st.staged)
-            landed = min(self._landed.get(rank, 0) for rank in range(self.index.ranks))
             preemptions, step = st.stored_at or (-1, 0)
             delay = (
                 not self.stores_land_in_step
                 and preemptions == request.num_preemptions
-                and step > landed
+                and step > self._landed_through()
             )
         if delay:
             self._delayed.append(request.request_id)
+            self._freeing[request.request_id] = (self._step, step)
         return delay
+
+    def _landed_through(self) -> int:
+        """The newest step whose stores have landed on every rank."""
+        return min(self._landed.get(rank, 0) for rank in range(self.index.ranks))
+
+    def frees_pending(self) -> bool:
+        """Whether blocks vLLM keeps for hybridkv's stores in flight are about to be freed.
+        vLLM then lets a running request it cannot allocate for wait a step rather than
+        preempt one, whose whole context would be computed (or restored) again. Only
+        stores not landed yet count: once they have, vLLM frees the blocks in the same
+        output, unless another connector (a `MultiConnector`'s NIXL, waiting for a
+        decode node's pull) holds them, for seconds. And only requests that finished in
+        the last `FREE_WAIT_STEPS` steps (those before are forgotten): a report that
+        never came would otherwise stop every preemption, and with the pool short the
+        engine would schedule nothing for good."""
+        freeing = self._freeing
+        while freeing:
+            oldest = next(iter(freeing))
+            if self._step - freeing[oldest][0] <= FREE_WAIT_STEPS:
+                break
+            del freeing[oldest]
+        landed = self._landed_through()
+        return any(stored > landed for _, stored in freeing.values())
 
     def reset(self) -> None:
         """Forget this engine's view: the index (the workers then drop what they stored,
