@@ -86,6 +86,22 @@ def test_a_resumed_requests_own_hit_past_its_keyed_chunks_is_a_plain_lookup(mode
     side.request_finished(resumed)
 
 
+def answers_to(side, req_id: str, resumed: bool = False) -> list[tuple[int, int, int | None]]:
+    """Record the lookups of request `req_id` (once preempted, if `resumed`) as they are
+    answered: (its tokens, vLLM's own hit, hybridkv's answer)."""
+    answers: list[tuple[int, int, int | None]] = []
+    lookup = side.num_new_matched_tokens
+
+    def recorded(request, local_tokens):
+        n = lookup(request, local_tokens)
+        if request.request_id == req_id and (request.num_preemptions or not resumed):
+            answers.append((request.num_tokens, local_tokens, n))
+        return n
+
+    side.num_new_matched_tokens = recorded
+    return answers
+
+
 @pytest.mark.parametrize("async_scheduling", MODES)
 def test_a_request_preempted_mid_decode_resumes_from_its_decode_time_state(
     model_dir, async_scheduling
@@ -98,16 +114,7 @@ def test_a_request_preempted_mid_decode_resumes_from_its_decode_time_state(
     fake runner checks every restored byte against the tokens it stands for."""
     eng = Engine(model_dir, async_scheduling, seed=3, num_blocks=40)
     side = eng.side
-    answers: list[tuple[int, int, int | None]] = []  # a's (tokens, vLLM's hit, hybridkv's)
-    lookup = side.num_new_matched_tokens
-
-    def recorded(request, local_tokens):
-        n = lookup(request, local_tokens)
-        if request.request_id == "a":
-            answers.append((request.num_tokens, local_tokens, n))
-        return n
-
-    side.num_new_matched_tokens = recorded
+    answers = answers_to(side, "a")
     eng.add("hog", _prompt(60, 1), max_tokens=200)
     a = eng.add("a", _prompt(40, 2), max_tokens=200)
     eng.run(limit=3000)
@@ -132,17 +139,7 @@ def test_a_request_resumed_with_its_stores_in_flight_waits_for_them(model_dir, a
     fails."""
     eng = Engine(model_dir, async_scheduling, seed=3, num_blocks=40, runner="v2")
     slow = SlowCopies(eng.worker.copies, lambda: eng.steps)
-    side = eng.side
-    answers: list[tuple[int, int, int | None]] = []
-    lookup = side.num_new_matched_tokens
-
-    def recorded(request, local_tokens):
-        n = lookup(request, local_tokens)
-        if request.request_id == "a" and request.num_preemptions:
-            answers.append((request.num_tokens, local_tokens, n))
-        return n
-
-    side.num_new_matched_tokens = recorded
+    answers = answers_to(eng.side, "a", resumed=True)
     eng.add("hog", _prompt(60, 1), max_tokens=200)
     a = eng.add("a", _prompt(40, 2), max_tokens=200)
     eng.run(until=lambda: any(local == 0 for _, local, _ in answers), limit=3000)
